@@ -11,6 +11,7 @@ from typing import Any
 
 RECIPES: dict[str, str] = {
     "sft": "recipes.sft",
+    "layerskip": "recipes.layerskip",
 }
 
 

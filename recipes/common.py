@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from pathlib import Path
@@ -42,6 +43,7 @@ class TrainJob:
     data: DataConfig
     trainer: dict
     deepspeed: DeepSpeedConfig = dataclasses.field(default_factory=DeepSpeedConfig)
+    peft: PeftConfig = dataclasses.field(default_factory=lambda: PeftConfig())
     seed: int = 0
     run_name: str = "run"
     output_dir: str = "outputs/run"
@@ -107,3 +109,124 @@ def training_arguments(job: TrainJob, **overrides: Any):
     }
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
+
+
+@dataclasses.dataclass
+class PeftConfig:
+    """``configs/peft/<name>.yaml``: LoRA adapters through peft (merged into the weights on save by default)."""
+
+    method: str = "none"  # none | lora
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] | str = "all-linear"
+    merge_on_save: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in ("none", "lora"):
+            raise ConfigError(f"peft.method must be none or lora, got '{self.method}'.")
+
+
+def apply_peft(model, cfg: PeftConfig, gradient_checkpointing: bool = False):
+    """Wrap ``model`` with LoRA adapters (``peft.method=lora``); the model unchanged otherwise."""
+    if cfg.method == "none":
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    if gradient_checkpointing:  # LoRA + checkpointing: frozen inputs need grads, or nothing updates
+        model.enable_input_require_grads()
+    return get_peft_model(model, lora)
+
+
+def world_size() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_deepspeed_batch(job: TrainJob) -> None:
+    """Explicit DeepSpeed batch sizes must equal micro x grad_accum x world size (checked before loading)."""
+    path = job.deepspeed.path()
+    if path is None:
+        return
+    import json
+
+    ds = json.loads(path.read_text())
+    micro = ds.get("train_micro_batch_size_per_gpu", "auto")
+    accum = ds.get("gradient_accumulation_steps", "auto")
+    total = ds.get("train_batch_size", "auto")
+    micro = job.trainer.get("per_device_train_batch_size", 8) if micro == "auto" else micro
+    accum = job.trainer.get("gradient_accumulation_steps", 1) if accum == "auto" else accum
+    if total != "auto" and total != micro * accum * world_size():
+        raise ConfigError(
+            f"DeepSpeed config {path.name}: train_batch_size={total} but micro batch {micro} x gradient "
+            f"accumulation {accum} x world size {world_size()} = {micro * accum * world_size()}. "
+            'Set the DeepSpeed fields to "auto" (the Trainer fills them) or make them agree.'
+        )
+    for key, mine in (
+        ("train_micro_batch_size_per_gpu", "per_device_train_batch_size"),
+        ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+    ):
+        if ds.get(key, "auto") != "auto" and mine in job.trainer and ds[key] != job.trainer[mine]:
+            raise ConfigError(
+                f"DeepSpeed config {path.name}: {key}={ds[key]} disagrees with trainer.{mine}="
+                f'{job.trainer[mine]}; use "auto" in the DeepSpeed config.'
+            )
+
+
+def export_checkpoint(trainer, hf_model, tokenizer, peft: PeftConfig, out_dir: str | Path):
+    """Save the trained weights as a plain HF directory that ``from_pretrained`` loads; return that model.
+
+    Works the same for single process, DDP and ZeRO-2/3: the full state dict is gathered (ZeRO-3 partitions
+    are all-gathered; every rank must call this), loaded on rank 0 into a fresh model of the same class
+    (LoRA merged unless ``peft.merge_on_save`` is false), and saved. Returns the fresh model on rank 0,
+    None elsewhere.
+    """
+    state = full_state_dict(trainer.accelerator.unwrap_model(trainer.model_wrapped))
+    from fastdecode.cli import is_main_process
+
+    if not is_main_process():
+        return None
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    fresh = _fresh_like(hf_model, peft)
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "lm_head" not in k]  # tied head: saved once as the embedding
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint export: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if peft.method != "none" and peft.merge_on_save:
+        fresh = fresh.merge_and_unload()
+    fresh.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    return fresh
+
+
+def full_state_dict(module) -> dict:
+    """The module's full state dict on the CPU, ZeRO-3 partitions gathered (every rank must call this).
+
+    Built from ``module.state_dict()`` (so a wrapper's own rules, such as saving tied weights once, apply),
+    inside DeepSpeed's ``GatheredParameters`` when parameters are partitioned.
+    """
+    params = list(module.parameters())
+    if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3: parameters are partitioned across ranks
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def _fresh_like(hf_model, peft: PeftConfig):
+    """An untrained model with ``hf_model``'s architecture (and LoRA layout), on the CPU in fp32."""
+    base = hf_model.get_base_model() if hasattr(hf_model, "get_base_model") else hf_model
+    config = copy.deepcopy(base.config)
+    # The class itself, not from_config: under ZeRO-3 from_config would partition the new model again.
+    fresh = type(base)(config).float()
+    fresh.generation_config = copy.deepcopy(base.generation_config)
+    return apply_peft(fresh, peft) if peft.method != "none" else fresh

@@ -204,7 +204,8 @@ def _tokenize_all(records: list[dict], tokenizer: Any, cfg: DataConfig) -> tuple
         if all(label == IGNORE_INDEX for label in ex["labels"][1:]):
             dropped += 1
             continue
-        out.append(ex | {"id": rec["id"]})
+        first_user = next((t["content"] for t in rec["messages"] if t["role"] == "user"), "")
+        out.append(ex | {"id": rec["id"], "prompt": first_user})  # prompt: for generation-based reports
     return out, truncated, dropped
 
 

@@ -1,0 +1,1 @@
+"""Evaluation entry points (``python eval/<name>.py``); each module's ``run(cfg)`` is callable from tests."""

@@ -1,0 +1,158 @@
+"""``recipe=layerskip``: layer dropout + early-exit loss (Elhoushi et al., 2024) on the HF Trainer.
+
+model -> (LoRA) -> data -> exit report (before) -> LayerSkipTrainer -> train -> export -> exit report
+(after) -> recommended exit E in ``generation_config.assistant_early_exit``. The exported checkpoint is a
+plain HF directory: ``AutoModelForCausalLM`` + ``generate(assistant_early_exit=E)`` self-speculates with it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+from fastdecode.cli import is_main_process, save_resolved_config
+from fastdecode.config import to_dataclass
+from fastdecode.data.chat import build_datasets, collate
+from fastdecode.exit_report import choose_exit, exit_report, plot_reports
+from fastdecode.io import atomic_write_json
+from fastdecode.loading import load_model
+from layerskip_train.config import LayerSkipConfig
+from layerskip_train.early_exit_loss import scale_weights
+from layerskip_train.layer_dropout import dropout_rates, parse_layers
+from layerskip_train.module import EarlyExitLM
+from layerskip_train.trainer import LayerSkipTrainer
+from recipes.common import (
+    TrainJob,
+    apply_peft,
+    check_deepspeed_batch,
+    export_checkpoint,
+    resolve_resume,
+    training_arguments,
+    world_size,
+)
+
+log = logging.getLogger(__name__)
+
+
+def validate(rcfg: LayerSkipConfig, num_layers: int) -> None:
+    """Every layer index, scale and rate is checked against the model before any training work."""
+    ee, ld = rcfg.early_exit_loss, rcfg.layer_dropout
+    exits = parse_layers(ee.layers, num_layers)
+    scale_weights(ee.scale_fn, sorted(set(exits) | {num_layers - 1}), num_layers, ee.scale)
+    dropout_rates(ld.prob, num_layers, ld.layers, ld.layers_scale, ld.time_scale, 0, 1)
+    if rcfg.exit_layer is not None and not 1 <= rcfg.exit_layer < num_layers:
+        from fastdecode.config import ConfigError
+
+        raise ConfigError(
+            f"recipe.exit_layer={rcfg.exit_layer} must be in [1, {num_layers - 1}] (blocks run)."
+        )
+
+
+def _report(model, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig) -> dict:
+    r = rcfg.report
+    prompts = [ex["prompt"] for ex in held_out if ex.get("prompt")][: r.prompts]
+    return exit_report(model, tokenizer, held_out, prompts, r.max_new_tokens, r.held_out_examples)
+
+
+def _exit_chunks(job: TrainJob, rcfg: LayerSkipConfig) -> int | None:
+    """Multi-process: a fixed chunk count per exit, sized for the largest possible batch (see EarlyExitLM)."""
+    if world_size() == 1:
+        return None
+    batch = max(
+        job.trainer.get("per_device_train_batch_size", 8), job.trainer.get("per_device_eval_batch_size", 8)
+    )
+    return max(1, -(-batch * job.data.max_length // rcfg.early_exit_loss.chunk_size))
+
+
+def run(job: TrainJob, cfg: Any = None) -> dict:
+    """Train, export, report. Returns the checkpoint path, metrics and the recommended exit."""
+    from transformers import set_seed
+
+    rcfg = to_dataclass(LayerSkipConfig, job.recipe, "recipe")
+    check_deepspeed_batch(job)
+    set_seed(job.seed)
+    model, tokenizer = load_model(job.model)
+    validate(rcfg, model.config.num_hidden_layers)
+    train, held_out = build_datasets(job.data, tokenizer)
+    out = Path(job.output_dir)
+    if cfg is not None:
+        save_resolved_config(cfg, out)
+    want_before = rcfg.report.enabled and rcfg.report.before and is_main_process()
+    before = _report(model, tokenizer, held_out, rcfg) if want_before else None
+    args = training_arguments(job, prediction_loss_only=True)
+    model = apply_peft(model, job.peft, args.gradient_checkpointing)
+    module = EarlyExitLM(model, rcfg, job.seed, args.max_steps, args.process_index, _exit_chunks(job, rcfg))
+    trainer = LayerSkipTrainer(
+        model=module,
+        args=args,
+        train_dataset=train,
+        eval_dataset=held_out or None,
+        data_collator=functools.partial(collate, pad_id=tokenizer.pad_token_id, mask_dtype=model.dtype),
+    )
+    result = trainer.train(resume_from_checkpoint=resolve_resume(job))
+    metrics = dict(result.metrics) | (trainer.evaluate() if held_out else {})
+    probe = collate(held_out[:2] or train[:2], tokenizer.pad_token_id, model.dtype)
+    live_loss = _probe_loss(trainer, probe)  # every rank: ZeRO-3 gathers the partitions for this forward
+    final = export_checkpoint(trainer, model, tokenizer, job.peft, out / "final")
+    summary = {"checkpoint": str(out / "final"), "metrics": metrics}
+    if final is not None:  # rank 0
+        summary["export_check"] = _check_export(final, probe, live_loss, model.dtype)
+        summary |= _finish(final, tokenizer, held_out, rcfg, before, out)
+        atomic_write_json(out / "summary.json", summary)
+    return summary
+
+
+def _probe_loss(trainer, probe: dict) -> float:
+    """Final-layer LM loss of the live (possibly wrapped and sharded) model on a fixed probe batch."""
+    import torch
+
+    model = trainer.model_wrapped
+    model.eval()
+    device = trainer.args.device
+    with torch.no_grad():
+        loss = model(**{k: v.to(device) for k, v in probe.items()})["loss"]
+    return float(loss)
+
+
+def _check_export(final, probe: dict, live_loss: float, live_dtype) -> dict:
+    """The saved checkpoint must reproduce the live model (catches partial ZeRO-3 saves, lost LoRA merges)."""
+    import torch
+
+    with torch.no_grad():
+        logits = final(
+            input_ids=probe["input_ids"],
+            attention_mask=probe["attention_mask"],
+            position_ids=probe["position_ids"],
+        ).logits
+        shifted = torch.nn.functional.pad(probe["labels"][:, 1:], (0, 1), value=-100)
+        saved = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten()).item()
+    diff = abs(saved - live_loss)
+    tol = 1e-3 if live_dtype == torch.float32 else 3e-2  # the export is fp32; bf16 training rounds
+    if diff > tol * max(1.0, abs(live_loss)):
+        raise RuntimeError(
+            f"exported checkpoint disagrees with the trained model: loss {saved} vs {live_loss}"
+        )
+    return {"live_loss": live_loss, "saved_loss": saved, "abs_diff": diff}
+
+
+def _finish(final, tokenizer, held_out, rcfg: LayerSkipConfig, before: dict | None, out: Path) -> dict:
+    """Exit report after training, the recommended exit in generation_config, report JSON + plot."""
+    num_layers = final.config.num_hidden_layers
+    after = _report(final, tokenizer, held_out, rcfg) if rcfg.report.enabled else None
+    if rcfg.exit_layer is not None:
+        choice = {"exit": rcfg.exit_layer, "source": "config"}
+    elif after is not None:
+        choice = choose_exit(after["generations"]["agreement"], num_layers, rcfg.report.max_draft)
+        choice["source"] = "exit report"
+    else:
+        choice = {"exit": max(1, num_layers // 4), "source": "default (quarter depth)"}
+    final.generation_config.assistant_early_exit = int(choice["exit"])
+    final.generation_config.save_pretrained(str(out / "final"))
+    report = {"before": before, "after": after, "recommended": choice}
+    atomic_write_json(out / "exit_report.json", report)
+    if before and after:
+        plot_reports({"before": before, "after": after}, str(out / "exit_report.png"))
+    log.info("recommended exit E=%s (%s)", choice["exit"], choice["source"])
+    return {"recommended_exit": choice, "exit_report": str(out / "exit_report.json")}

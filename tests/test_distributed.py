@@ -1,0 +1,73 @@
+"""Two CPU processes (gloo): torchrun DDP and the DeepSpeed launcher with ZeRO-2 and ZeRO-3.
+
+Each runs a few LayerSkip steps with layer dropout and early-exit loss on, then exports a checkpoint; the
+recipe itself checks the export against the live (possibly sharded) model, and here it must reload with
+``from_pretrained``. One run directory only: Hydra must not create one per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.test_layerskip_recipe import write_chat_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.distributed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launcher(kind: str) -> list[str]:
+    port = str(_free_port())
+    if kind == "ddp":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+    if shutil.which("deepspeed") is None:
+        pytest.skip("the deepspeed launcher is not installed")
+    return ["deepspeed", "--num_gpus", "2", "--master_port", port]
+
+
+@pytest.mark.parametrize("kind,deepspeed", [("ddp", "none"), ("deepspeed", "zero2"), ("deepspeed", "zero3")])
+def test_two_process_training_exports_a_loadable_checkpoint(tmp_path, kind, deepspeed):
+    data = write_chat_jsonl(tmp_path / "chat.jsonl")
+    out = tmp_path / "run"
+    args = [
+        "train.py",
+        "recipe=layerskip",
+        "model=tiny-llama",
+        "data=jsonl",
+        f"data.path={data}",
+        "data.held_out=4",
+        "trainer.max_steps=3",
+        "trainer.save_steps=3",
+        "+trainer.ddp_find_unused_parameters=false",  # a layer every row drops must still get a gradient
+        "recipe.layer_dropout.prob=0.5",
+        "recipe.report.enabled=false",
+        f"deepspeed={deepspeed}",
+        f"output_dir={out}",
+    ]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        _launcher(kind) + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "run"]  # one run directory
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["export_check"]["abs_diff"] < 1e-4
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert all(p.numel() > 0 for p in model.parameters())  # no empty ZeRO-3 partitions saved
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[3, 40, 50, 60]])).logits).all()

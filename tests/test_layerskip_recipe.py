@@ -1,0 +1,140 @@
+"""``recipe=layerskip`` end to end on a tiny model: export, reload, resume, LoRA, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+import recipes
+from fastdecode.config import CONFIG_DIR, ConfigError
+
+
+def write_chat_jsonl(path: Path, n: int = 32) -> Path:
+    with open(path, "w") as f:
+        for i in range(n):
+            reply = " ".join(str((i * j) % 10) for j in range(6))
+            f.write(json.dumps({"prompt": f"Multiply {i} by one to six.", "response": reply}) + "\n")
+    return path
+
+
+def layerskip_cfg(tmp_path: Path, *extra: str):
+    data = write_chat_jsonl(tmp_path / "chat.jsonl")
+    overrides = [
+        "recipe=layerskip",
+        "model=tiny-llama",
+        "data=jsonl",
+        f"data.path={data}",
+        "data.held_out=4",
+        "trainer.max_steps=4",
+        "trainer.save_steps=2",
+        "trainer.logging_steps=1",
+        "trainer.warmup_steps=0",
+        "recipe.report.prompts=2",
+        "recipe.report.max_new_tokens=6",
+        "recipe.layer_dropout.prob=0.5",  # high, so tiny batches really drop rows
+        f"output_dir={tmp_path / 'run'}",
+        *extra,
+    ]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def _history(run: Path, step: int) -> list[dict]:
+    state = json.loads((run / f"checkpoint-{step}" / "trainer_state.json").read_text())
+    return [h for h in state["log_history"] if "loss" in h]
+
+
+def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
+    summary = recipes.run(layerskip_cfg(tmp_path))
+    run = tmp_path / "run"
+    assert summary["export_check"]["abs_diff"] < 1e-4  # saved weights reproduce the live model
+    reloaded = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
+    exit_e = GenerationConfig.from_pretrained(summary["checkpoint"]).assistant_early_exit
+    assert exit_e == summary["recommended_exit"]["exit"] and 1 <= exit_e <= 4
+    report = json.loads((run / "exit_report.json").read_text())
+    assert set(report["before"]["generations"]["agreement"]) == {str(i) for i in range(1, 5)}
+    assert (run / "exit_report.png").is_file()
+    logs = _history(run, 4)
+    assert len(logs) == 4 and all("loss/exit_4" in h for h in logs)  # the last exit is always on
+    rotated = [sorted(k for k in h if k.startswith("loss/exit_")) for h in logs]
+    assert rotated[0] != rotated[1]  # rotational curriculum: the active exits change per step
+    with torch.no_grad():
+        ids = torch.tensor([[3, 50, 60, 70, 80, 4]])
+        assert torch.isfinite(reloaded(ids).logits).all()
+
+
+def test_resume_repeats_the_same_losses(tmp_path, monkeypatch):
+    """N steps straight == N/2, crash, resume, N/2: same drops, same curriculum, same data order."""
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    recipes.run(layerskip_cfg(straight, "recipe.report.enabled=false"))
+    expected = [round(h["loss"], 5) for h in _history(straight / "run", 4)]
+
+    from layerskip_train.trainer import LayerSkipTrainer
+
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    original = LayerSkipTrainer.training_step
+
+    def crash_after_checkpoint(self, *args, **kwargs):
+        if self.state.global_step == 2:  # checkpoint-2 is saved: die like a killed job
+            raise KeyboardInterrupt("simulated kill")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LayerSkipTrainer, "training_step", crash_after_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        recipes.run(layerskip_cfg(crashed, "recipe.report.enabled=false"))
+    monkeypatch.setattr(LayerSkipTrainer, "training_step", original)
+    recipes.run(layerskip_cfg(crashed, "recipe.report.enabled=false", "resume_from_checkpoint=auto"))
+    resumed = [round(h["loss"], 5) for h in _history(crashed / "run", 4)]
+    assert resumed == expected
+
+
+def test_lora_adapters_train_merge_and_reload(tmp_path):
+    summary = recipes.run(layerskip_cfg(tmp_path, "peft=lora", "peft.r=4", "trainer.learning_rate=1e-2"))
+    assert summary["export_check"]["abs_diff"] < 1e-4  # merged weights reproduce the live LoRA model
+    merged = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    from fastdecode.config import ModelConfig, load_group
+    from fastdecode.loading import load_model
+
+    base, _ = load_model(load_group("model", "tiny-llama", ModelConfig))
+    changed = [
+        n for n, p in merged.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])
+    ]
+    assert any("q_proj" in n for n in changed)  # the adapters trained and were merged into the weights
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("recipe.exit_layer=4", r"exit_layer=4 must be in \[1, 3\]"),
+        ("recipe.exit_layer=0", r"exit_layer=0 must be in \[1, 3\]"),
+        ("recipe.early_exit_loss.layers='0,9'", r"9.*out of range|outside"),
+        ("recipe.layer_dropout.layers='5:'", r"5"),
+        ("recipe.layer_dropout.prob=1.0", r"prob must be in \[0, 1\)"),
+        ("recipe.layer_dropout.prob=-0.1", r"prob must be in \[0, 1\)"),
+        ("recipe.early_exit_loss.scale_fn=log_l", r"Unknown early exit scale function 'log_l'.*Choices"),
+        ("recipe.early_exit_loss.curriculum=cosine", r"Unknown curriculum 'cosine'.*rotational"),
+        ("recipe.layer_dropout.layers_scale=cubic", r"Unknown .*'cubic'.*exp"),
+    ],
+)
+def test_bad_recipe_config_fails_before_training(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        recipes.run(layerskip_cfg(tmp_path, override))
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+def test_deepspeed_batch_arithmetic_is_checked_before_loading(tmp_path, monkeypatch):
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"train_batch_size": 999, "zero_optimization": {"stage": 2}}))
+    monkeypatch.setattr("fastdecode.loading.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    with pytest.raises(
+        ConfigError, match=r"train_batch_size=999 but micro batch 4 x gradient accumulation 1"
+    ):
+        recipes.run(layerskip_cfg(tmp_path, f"deepspeed.config_file={bad}"))
