@@ -88,6 +88,13 @@ class EarlyExitLM(nn.Module):
             state.pop(key, None)
         return state
 
+    def activation_checkpointing_enable(self, **kwargs) -> None:
+        """The Trainer's ``activation_checkpointing=true``: recompute each block in backward.
+
+        The adapter calls HF's own layers, which checkpoint themselves once this is on.
+        """
+        self.model.activation_checkpointing_enable(**kwargs)
+
     def tie_weights(self) -> None:
         """Called by the Trainer after loading a checkpoint whose only missing keys are the aliases."""
         self.model.tie_weights()

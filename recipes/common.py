@@ -108,7 +108,22 @@ def training_arguments(job: TrainJob, **overrides: Any):
         "deepspeed": str(ds) if ds else None,
     }
     kwargs.update(overrides)
+    _offline_wandb(kwargs.get("report_to"))
     return TrainingArguments(**kwargs)
+
+
+def _offline_wandb(report_to: str | list[str] | None) -> None:
+    """wandb without credentials (or without network) logs offline instead of prompting or retrying."""
+    import os
+
+    targets = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    if "wandb" not in targets and "all" not in targets or "WANDB_MODE" in os.environ:
+        return
+    netrc = Path.home() / ".netrc"
+    has_key = "WANDB_API_KEY" in os.environ or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
+    if not has_key or os.environ.get("HF_HUB_OFFLINE") == "1":
+        os.environ["WANDB_MODE"] = "offline"
+        log.info("wandb: no API key or offline machine, logging offline (wandb sync later)")
 
 
 @dataclasses.dataclass

@@ -43,7 +43,7 @@ def test_default_output_dir_is_deterministic():
     """No ${now:}: every rank of a multi-process launch resolves the same run directory."""
     first = load_job(_compose("model=tiny-llama")).output_dir
     second = load_job(_compose("model=tiny-llama")).output_dir
-    assert first == second == "outputs/sft-tiny-llama"
+    assert first == second == "outputs/layerskip-tiny-llama"
 
 
 def test_misspelt_key_names_the_key_and_the_fix():
@@ -130,3 +130,10 @@ def test_device_and_dtype_resolution():
         assert resolve_device("auto").type == "cpu"
         with pytest.raises(ConfigError, match="no CUDA GPU"):
             resolve_device("cuda")
+
+
+@pytest.mark.parametrize("top", ["exits"])
+def test_other_entry_point_configs_compose(top):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name=top, overrides=["model=tiny-llama"])
+    assert cfg.model.name == "tiny-llama"

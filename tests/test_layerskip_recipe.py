@@ -63,9 +63,17 @@ def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
     assert len(logs) == 4 and all("loss/exit_4" in h for h in logs)  # the last exit is always on
     rotated = [sorted(k for k in h if k.startswith("loss/exit_")) for h in logs]
     assert rotated[0] != rotated[1]  # rotational curriculum: the active exits change per step
-    with torch.no_grad():
-        ids = torch.tensor([[3, 50, 60, 70, 80, 4]])
-        assert torch.isfinite(reloaded(ids).logits).all()
+    # Plain transformers users get self-speculation from the saved generation config, losslessly.
+    ids = torch.tensor([[3, 50, 60, 70, 80]])
+    speculative = reloaded.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    no_spec = GenerationConfig.from_dict(
+        {**reloaded.generation_config.to_dict(), "assistant_early_exit": None}
+    )
+    plain = reloaded.generate(
+        ids, generation_config=no_spec, max_new_tokens=12, do_sample=False, min_new_tokens=12
+    )
+    assert reloaded.generation_config.assistant_early_exit == exit_e
+    assert speculative.tolist() == plain.tolist()
 
 
 def test_resume_repeats_the_same_losses(tmp_path, monkeypatch):
@@ -138,3 +146,50 @@ def test_deepspeed_batch_arithmetic_is_checked_before_loading(tmp_path, monkeypa
         ConfigError, match=r"train_batch_size=999 but micro batch 4 x gradient accumulation 1"
     ):
         recipes.run(layerskip_cfg(tmp_path, f"deepspeed.config_file={bad}"))
+
+
+def test_activation_checkpointing_gives_the_same_losses(tmp_path):
+    plain = tmp_path / "plain"
+    ckpt = tmp_path / "ckpt"
+    plain.mkdir()
+    ckpt.mkdir()
+    recipes.run(layerskip_cfg(plain, "recipe.report.enabled=false"))
+    recipes.run(layerskip_cfg(ckpt, "recipe.report.enabled=false", "+trainer.activation_checkpointing=true"))
+    losses = [[round(h["loss"], 4) for h in _history(p / "run", 4)] for p in (plain, ckpt)]
+    assert losses[0] == losses[1]
+
+
+def test_wandb_without_credentials_logs_offline(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    summary = recipes.run(layerskip_cfg(tmp_path, "recipe.report.enabled=false", "trainer.report_to=wandb"))
+    import os
+
+    assert os.environ["WANDB_MODE"] == "offline"
+    monkeypatch.delenv("WANDB_MODE")
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    assert summary["metrics"]["train_loss"] > 0
+
+
+def test_activation_checkpointing_really_recomputes_blocks():
+    import copy
+
+    from fastdecode.config import ModelConfig, load_group
+    from fastdecode.loading import load_model
+    from layerskip_train.config import LayerSkipConfig
+    from layerskip_train.module import EarlyExitLM
+
+    model, _ = load_model(load_group("model", "tiny-llama", ModelConfig))
+    calls = []
+    for enable in (False, True):
+        module = EarlyExitLM(copy.deepcopy(model), LayerSkipConfig(), seed=0, total_steps=4).train()
+        if enable:
+            module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        seen: list[int] = []
+        module.adapter.layers[1].self_attn.register_forward_pre_hook(lambda *a, seen=seen: seen.append(1))
+        ids = torch.randint(5, 261, (2, 9))
+        module(input_ids=ids, labels=ids)["loss"].backward()
+        calls.append(len(seen))
+    assert calls == [1, 2]  # the block runs again in backward when checkpointing is on

@@ -26,6 +26,7 @@ def test_sft_recipe_trains_saves_and_reloads(tmp_path):
     _write_jsonl(data)
     out = tmp_path / "run"
     overrides = [
+        "recipe=sft",
         "model=tiny-llama",
         "data=jsonl",
         f"data.path={data}",
