@@ -122,20 +122,26 @@ def expected_tokens_per_step(alpha: float, draft: int) -> float:
     return (1 - alpha ** (draft + 1)) / (1 - alpha)
 
 
-def choose_exit(agreement: dict[int, float], num_layers: int, max_draft: int = 8) -> dict:
+def choose_exit(
+    agreement: dict[int, float], num_layers: int, max_draft: int = 8, min_speedup: float = 1.05
+) -> dict:
     """The exit E and draft length K with the best expected self-speculation speedup.
 
     Cost model (units of one full forward): drafting K tokens costs ``K * E / L``; one verification costs
     about one forward (memory-bound, all positions in parallel). Speedup = tokens per step / cost.
+    Returns ``exit: None`` when no exit is expected to gain ``min_speedup`` (speculating would not pay).
     """
-    best = {"exit": num_layers, "draft": 0, "expected_speedup": 1.0}
+    best = {"exit": None, "draft": 0, "expected_speedup": 1.0}
     for exit_, alpha in agreement.items():
+        exit_ = int(exit_)
         if exit_ >= num_layers:
             continue
         for k in range(1, max_draft + 1):
             speedup = expected_tokens_per_step(alpha, k) / (k * exit_ / num_layers + 1)
             if speedup > best["expected_speedup"]:
                 best = {"exit": exit_, "draft": k, "expected_speedup": speedup}
+    if best["expected_speedup"] < min_speedup:
+        best = {"exit": None, "draft": 0, "expected_speedup": 1.0, "best_found": best}
     return best
 
 

@@ -20,6 +20,7 @@ class EarlyExitLossConfig:
     scale_fn: str = "uniform"  # uniform | linear_l | sum_l | sqrt_l | inv_l | inv_sqrt_l
     scale: float = 1.0  # e_scale: multiplies every non-final exit's weight
     chunk_size: int = 1024  # label tokens per recomputed head+CE chunk
+    token_fraction: float = 1.0  # non-final exits score this random fraction of label tokens (unbiased)
     distill: float = 0.0  # self-distillation weight of the non-final exits (0: label CE only)
     distill_temperature: float = 1.0
 
@@ -28,6 +29,10 @@ class EarlyExitLossConfig:
             from fastdecode.config import unknown_name_error
 
             raise unknown_name_error("curriculum", self.curriculum, list(CURRICULA))
+        if not 0.0 < self.token_fraction <= 1.0:
+            raise ConfigError(
+                f"recipe.early_exit_loss.token_fraction must be in (0, 1], got {self.token_fraction}."
+            )
         if self.rotation < 1:
             raise ConfigError(f"recipe.early_exit_loss.rotation must be >= 1, got {self.rotation}.")
 

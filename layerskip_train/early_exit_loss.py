@@ -196,6 +196,8 @@ def early_exit_loss(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     distill: SelfDistill | None = None,
     num_chunks: int | None = None,
+    token_fraction: float = 1.0,
+    generator: torch.Generator | None = None,
 ) -> ExitLoss:
     """Weighted early-exit loss ``sum_l w_l * loss_l``, chunked and recomputed (see the module docstring).
 
@@ -211,6 +213,9 @@ def early_exit_loss(
         distill: optional self-distillation of the non-final exits (needs the last layer in ``hiddens``).
         num_chunks: split the label tokens into exactly this many chunks instead (same head-call sequence on
             every rank: needed under ZeRO-3).
+        token_fraction: for the non-final exits, score only this random fraction of the label tokens
+            (drawn with ``generator``), scaled by ``n / kept``: an unbiased estimate of the full exit loss at
+            a fraction of the LM-head cost. 1.0 (default) is the exact loss.
     """
     layers = sorted(hiddens)
     w = dict(weights) if isinstance(weights, Mapping) else dict(zip(layers, weights, strict=True))
@@ -237,7 +242,13 @@ def early_exit_loss(
     temp = distill.temperature if distill is not None else 1.0
     for layer in layers:
         t = teacher if layer != last else None
-        ce, kl = _exit_sums(m, hiddens[layer], chunks, t, temp)
+        sub, scale = chunks, 1.0
+        if layer != last and token_fraction < 1.0 and n > 0:  # an unbiased estimate from a token subset
+            keep = max(1, math.ceil(token_fraction * n))
+            pick = torch.randperm(n, generator=generator)[:keep].sort().values.to(valid.device)
+            sub, scale = _chunks(valid[pick], targets[pick], chunk_size, num_chunks), n / keep
+        ce, kl = _exit_sums(m, hiddens[layer], sub, t, temp)
+        ce, kl = ce * scale, kl * scale
         alpha = distill.weight if t is not None else 0.0
         exit_sum = ce if alpha == 0 else (1 - alpha) * ce + alpha * kl
         total = total + w[layer] * exit_sum

@@ -15,7 +15,13 @@ from fastdecode.cache import attention_mask as build_mask
 from fastdecode.model import EarlyExitModel
 from layerskip_train.config import LayerSkipConfig
 from layerskip_train.early_exit_loss import active_exits, early_exit_loss, scale_weights
-from layerskip_train.layer_dropout import drop_mask, dropout_rates, parse_layers, run_with_layer_dropout
+from layerskip_train.layer_dropout import (
+    draw_seed,
+    drop_mask,
+    dropout_rates,
+    parse_layers,
+    run_with_layer_dropout,
+)
 
 __all__ = ["EarlyExitLM", "additive_mask"]
 
@@ -122,6 +128,10 @@ class EarlyExitLM(nn.Module):
         )
         return drop_mask(rates, batch, self.seed, step, micro_step, self.rank)
 
+    def _generator(self, step: int, micro_step: int) -> torch.Generator:
+        """Token-subset draws, deterministic in (seed, step, micro-step, rank) like the layer drops."""
+        return torch.Generator().manual_seed(draw_seed(self.seed + 1, step, micro_step, self.rank))
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -153,6 +163,15 @@ class EarlyExitLM(nn.Module):
         weights = scale_weights(ee.scale_fn, exits, m.num_layers, ee.scale)
         distill = ee.self_distill() if self.training else None
         out = early_exit_loss(
-            m, hiddens, labels, weights, num_items_in_batch, ee.chunk_size, distill, self.exit_chunks
+            m,
+            hiddens,
+            labels,
+            weights,
+            num_items_in_batch,
+            ee.chunk_size,
+            distill,
+            self.exit_chunks,
+            ee.token_fraction if self.training else 1.0,
+            self._generator(step, micro_step),
         )
         return {"loss": out.loss, "exit_ce": out.ce, "exit_kl": out.kl}

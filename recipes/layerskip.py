@@ -147,12 +147,15 @@ def _finish(final, tokenizer, held_out, rcfg: LayerSkipConfig, before: dict | No
         choice = choose_exit(after["generations"]["agreement"], num_layers, rcfg.report.max_draft)
         choice["source"] = "exit report"
     else:
-        choice = {"exit": max(1, num_layers // 4), "source": "default (quarter depth)"}
-    final.generation_config.assistant_early_exit = int(choice["exit"])
-    final.generation_config.save_pretrained(str(out / "final"))
+        choice = {"exit": None, "source": "no report"}
+    if choice["exit"] is not None:  # plain transformers users then self-speculate with generate()
+        final.generation_config.assistant_early_exit = int(choice["exit"])
+        final.generation_config.save_pretrained(str(out / "final"))
+        log.info("recommended exit E=%s (%s)", choice["exit"], choice["source"])
+    else:
+        log.warning("no exit is expected to speed decoding up yet (%s); assistant_early_exit not set", choice)
     report = {"before": before, "after": after, "recommended": choice}
     atomic_write_json(out / "exit_report.json", report)
     if before and after:
         plot_reports({"before": before, "after": after}, str(out / "exit_report.png"))
-    log.info("recommended exit E=%s (%s)", choice["exit"], choice["source"])
     return {"recommended_exit": choice, "exit_report": str(out / "exit_report.json")}

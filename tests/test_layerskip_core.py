@@ -509,3 +509,21 @@ def test_ddp_with_a_fully_skipped_layer_needs_the_touch():
     assert out.count("NO-TOUCH-FAILS") == 2, (
         out
     )  # without it DDP raises (and asks for find_unused_parameters)
+
+
+def test_token_fraction_is_an_unbiased_estimate_of_the_exit_loss(tiny_llama):
+    m = EarlyExitModel(tiny_llama[0])
+    ids = _ids(2, 24, seed=7)
+    pos = _positions(2, 24)
+    with torch.no_grad():
+        hiddens = run_with_layer_dropout(m, m.embed(ids, pos), pos, None, None, [0, 1, 3])
+        exact = early_exit_loss(m, hiddens, ids, [0.3, 0.3, 0.4]).loss.item()
+        same = early_exit_loss(m, hiddens, ids, [0.3, 0.3, 0.4], token_fraction=1.0).loss.item()
+        gen = torch.Generator().manual_seed(0)
+        draws = [
+            early_exit_loss(m, hiddens, ids, [0.3, 0.3, 0.4], token_fraction=0.25, generator=gen).loss.item()
+            for _ in range(400)
+        ]
+    assert same == exact
+    assert len(set(draws)) > 10  # really subsampled
+    assert sum(draws) / len(draws) == pytest.approx(exact, rel=0.01)

@@ -50,12 +50,12 @@ def _history(run: Path, step: int) -> list[dict]:
 
 
 def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
-    summary = recipes.run(layerskip_cfg(tmp_path))
+    summary = recipes.run(layerskip_cfg(tmp_path, "recipe.exit_layer=2"))
     run = tmp_path / "run"
     assert summary["export_check"]["abs_diff"] < 1e-4  # saved weights reproduce the live model
     reloaded = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
     exit_e = GenerationConfig.from_pretrained(summary["checkpoint"]).assistant_early_exit
-    assert exit_e == summary["recommended_exit"]["exit"] and 1 <= exit_e <= 4
+    assert exit_e == summary["recommended_exit"]["exit"] == 2
     report = json.loads((run / "exit_report.json").read_text())
     assert set(report["before"]["generations"]["agreement"]) == {str(i) for i in range(1, 5)}
     assert (run / "exit_report.png").is_file()
@@ -74,6 +74,17 @@ def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
     )
     assert reloaded.generation_config.assistant_early_exit == exit_e
     assert speculative.tolist() == plain.tolist()
+
+
+@pytest.mark.parametrize("useful", [True, False])
+def test_the_exit_choice_from_the_report_goes_into_generation_config(tmp_path, monkeypatch, useful):
+    import recipes.layerskip as recipe
+
+    fake = {"exit": 3, "draft": 2, "expected_speedup": 1.4} if useful else {"exit": None, "draft": 0}
+    monkeypatch.setattr(recipe, "choose_exit", lambda agreement, layers, k: dict(fake))
+    summary = recipes.run(layerskip_cfg(tmp_path))
+    saved = GenerationConfig.from_pretrained(summary["checkpoint"]).assistant_early_exit
+    assert saved == fake["exit"] == summary["recommended_exit"]["exit"]  # None: not written at all
 
 
 def test_resume_repeats_the_same_losses(tmp_path, monkeypatch):

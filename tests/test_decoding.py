@@ -1,0 +1,387 @@
+"""Decoders: autoregressive equals HF generate; self-speculation equals autoregressive (greedy, fp32) and
+samples from the target's distribution; each token passes each layer once; bad input fails clearly."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fastdecode.config import ConfigError
+from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig, get_decoder
+from fastdecode.decoding.common import probabilities
+from fastdecode.decoding.policies import Adaptive, Confidence, Heuristic
+from fastdecode.model import EarlyExitModel
+from tests.conftest import TINY_MODELS, _tiny
+
+autoregressive = DECODERS["autoregressive"]
+self_speculative = DECODERS["self_speculative"]
+RESIDUAL_WRITERS = ("o_proj", "down_proj", "out_proj", "fc2")  # modules that write into the residual stream
+
+
+# --------------------------------------------------------------------------------------------------------
+# Test models: copies of the shared tiny models (those are never mutated)
+@functools.cache
+def _lively(name: str, upper_scale: float = 1.0, zero_from: int | None = None) -> EarlyExitModel:
+    """A copy of a tiny model with larger random weights (std 0.2): the shared ones just repeat a token.
+
+    ``upper_scale`` shrinks what layers >= 1 write into the residual stream, so early exits agree with the
+    final output often (acceptance ~0.5-0.8); ``zero_from=E`` zeroes it for layers >= E (exit E == output).
+    """
+    model = copy.deepcopy(_tiny(name)[0])
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+        for index, layer in enumerate(EarlyExitModel(model).layers):
+            for pname, param in layer.named_parameters():
+                if pname.split(".")[-2] in RESIDUAL_WRITERS:
+                    param.mul_(upper_scale if index >= 1 else 1.0)
+                    if zero_from is not None and index >= zero_from:
+                        param.zero_()
+    return EarlyExitModel(model)
+
+
+def _prompts(count: int, seed: int, vocab: int = 261, longest: int = 14) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, longest + 1, (count,), generator=gen).tolist()
+    return [torch.randint(5, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Autoregressive
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_autoregressive_greedy_equals_hf_generate(name):
+    m = _lively(name)
+    for prompt in _prompts(3, seed=1):
+        cfg = DecodeConfig(max_new_tokens=16, eos_token_id=m.config.eos_token_id)
+        ours = autoregressive(m, [prompt], cfg).tokens[0]
+        ids = torch.tensor([prompt])
+        ref = m.hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=16,
+            eos_token_id=m.config.eos_token_id,
+            pad_token_id=0,
+        )
+        assert ours == ref[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+@pytest.mark.parametrize("exit_layer", [None, 2])
+def test_autoregressive_batch_equals_rows_alone(name, exit_layer):
+    m = _lively(name)
+    prompts = [_prompts(1, seed=2, longest=3)[0], *_prompts(2, seed=3, longest=14)]  # different lengths
+    cfg = DecodeConfig(max_new_tokens=20, exit_layer=exit_layer)
+    batch = autoregressive(m, prompts, cfg)
+    assert batch.tokens == [autoregressive(m, [p], cfg).tokens[0] for p in prompts]
+    assert batch.layers_run == 3 * 19 * (exit_layer or m.num_layers)
+    assert batch.layer_calls == 19 * (exit_layer or m.num_layers)
+
+
+def test_pure_early_exit_differs_from_full_depth():
+    m = _lively("tiny-llama")
+    prompts = _prompts(3, seed=4)
+    full = autoregressive(m, prompts, DecodeConfig(max_new_tokens=12)).tokens
+    assert autoregressive(m, prompts, DecodeConfig(max_new_tokens=12, exit_layer=1)).tokens != full
+
+
+# --------------------------------------------------------------------------------------------------------
+# Self-speculative: greedy output is token-identical to autoregressive
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-opt"])
+@pytest.mark.parametrize("upper_scale", [1.0, 0.1], ids=["random", "agreeable"])
+def test_self_speculative_greedy_equals_autoregressive(name, upper_scale):
+    """Every E, every policy; 12 random prompts batched (ragged acceptance, holes), 3 batched, 2 alone.
+    Sliding-window families (mistral, qwen2) check that windows count positions across holes."""
+    m = _lively(name, upper_scale)
+    prompts = _prompts(12, seed=TINY_MODELS.index(name))
+    base = DecodeConfig(max_new_tokens=20, draft_tokens=4, eos_token_id=m.config.eos_token_id)
+    ref = autoregressive(m, prompts, base).tokens
+    rates = []
+    for exit_layer, policy in itertools.product(range(1, m.num_layers), POLICIES):
+        cfg = replace(base, exit_layer=exit_layer, policy=policy)
+        out = self_speculative(m, prompts, cfg)
+        assert out.tokens == ref, (exit_layer, policy)
+        assert self_speculative(m, prompts[:3], cfg).tokens == ref[:3], (exit_layer, policy)
+        for i in (3, 4):
+            assert self_speculative(m, [prompts[i]], cfg).tokens == [ref[i]], (exit_layer, policy, i)
+        assert out.oracle == out.accepted  # greedy: accepted = leading agreement with the verifier
+        rates.append(out.acceptance_rate)
+    if upper_scale < 1:  # long accepted runs, ragged rows and bonus tokens were exercised
+        assert min(rates) > 0.3 and max(rates) < 1
+
+
+def test_zeroed_upper_layers_accept_every_draft():
+    m = _lively("tiny-llama", zero_from=2)
+    prompts = _prompts(3, seed=5)
+    cfg = DecodeConfig(max_new_tokens=20, exit_layer=2, draft_tokens=5)
+    out = self_speculative(m, prompts, cfg)
+    assert out.tokens == autoregressive(m, prompts, DecodeConfig(max_new_tokens=20)).tokens
+    assert out.acceptance_rate == 1.0 and out.drafted[:3] == [5, 5, 5]
+    assert out.steps == 4  # 1 token from the prefill, then 5 drafts + 1 bonus per round, capped at 20
+    assert max(out.drafted) <= cfg.max_new_tokens - 1
+    # Sequential layer calls: 3 rounds of 6 draft passes through 2 layers + 1 verify pass through 2, then
+    # one plain step; autoregressive needs 19 passes through 4 layers.
+    assert out.layer_calls == 3 * (6 * 2 + 2) + (2 + 2) < 19 * 4
+
+
+def test_eos_stops_each_row_once():
+    m = _lively("tiny-llama", 0.1)
+    prompts = _prompts(3, seed=6)
+    free = autoregressive(m, prompts, DecodeConfig(max_new_tokens=20)).tokens
+    eos = free[0][5]
+    cfg = DecodeConfig(max_new_tokens=20, eos_token_id=[eos, 999])
+    ref = autoregressive(m, prompts, cfg).tokens
+    assert ref[0] == free[0][: free[0].index(eos) + 1]
+    for row, full in zip(ref, free, strict=True):
+        assert row == (full[: full.index(eos) + 1] if eos in full else full)
+    for policy in POLICIES:
+        assert self_speculative(m, prompts, replace(cfg, exit_layer=2, policy=policy)).tokens == ref
+
+
+def test_confidence_policy_stops_right_after_the_unconfident_token():
+    """Threshold 1: every draft token is unconfident, so every draft has exactly one token (the lagged host
+    flag must not let an extra token in); threshold 0: never stop, drafts are K long."""
+    m = _lively("tiny-llama", 0.1)
+    prompt = _prompts(1, seed=7)
+    one = self_speculative(
+        m,
+        prompt,
+        DecodeConfig(
+            max_new_tokens=20, exit_layer=2, policy="confidence", confidence_threshold=1.0, draft_tokens=6
+        ),
+    )
+    assert set(one.drafted[:-1]) == {1} and one.drafted[-1] <= 1  # the last round may have no token left
+    never = DecodeConfig(
+        max_new_tokens=20, exit_layer=2, policy="confidence", confidence_threshold=0.0, draft_tokens=6
+    )
+    constant = replace(never, policy="constant")
+    assert self_speculative(m, prompt, never).drafted == self_speculative(m, prompt, constant).drafted
+
+
+def test_policies_unit():
+    heuristic = Heuristic(4)
+    heuristic.update([4, None, 4], 4)
+    assert heuristic.draft_limit() == 6
+    heuristic.update([6, 2], 6)
+    assert heuristic.draft_limit() == 5
+    confidence = Confidence(4, threshold=0.5)
+    active = torch.tensor([True, False])
+    assert not confidence.keep_drafting(torch.tensor([0.4, 0.9]), active)  # the finished row does not count
+    assert confidence.keep_drafting(torch.tensor([0.6, 0.1]), active)
+    adaptive = Adaptive(8, cost_ratio=0.5)
+    adaptive.begin()
+    keeps = [bool(adaptive.keep_drafting(torch.tensor([0.8]), torch.tensor([True]))) for _ in range(4)]
+    assert keeps == [True, True, True, False]  # products 0.8, 0.64, 0.512 > c = 0.5 >= 0.41
+    adaptive.update([0], 4)  # the first draft was rejected: calibration (1 + 0) / (1 + 0.8) = 0.56
+    adaptive.begin()
+    assert not adaptive.keep_drafting(torch.tensor([0.8]), torch.tensor([True]))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Work accounting: one shared cache, each token through each layer once
+def _count_layer_tokens(m: EarlyExitModel):
+    counts = [0] * m.num_layers
+
+    def hook(index):
+        def count(module, args, kwargs, output):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            counts[index] += hidden.shape[0] * hidden.shape[1]
+
+        return count
+
+    handles = [layer.register_forward_hook(hook(i), with_kwargs=True) for i, layer in enumerate(m.layers)]
+    return counts, handles
+
+
+def test_each_token_passes_each_layer_once_and_hf_runs_early_layers_more():
+    m = _lively("tiny-llama", 0.1)
+    exit_layer, prompt = 2, _prompts(1, seed=8, longest=10)[0]
+    cfg = DecodeConfig(max_new_tokens=24, exit_layer=exit_layer, draft_tokens=4)
+    counts, handles = _count_layer_tokens(m)
+    try:
+        out = self_speculative(m, [prompt], cfg)
+        ours = list(counts)
+        counts[:] = [0] * m.num_layers
+        ref = m.hf.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=24,
+            eos_token_id=None,
+            pad_token_id=0,
+            assistant_early_exit=exit_layer,
+            num_assistant_tokens=4,
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert out.tokens[0] == ref[0, len(prompt) :].tolist()
+    rejected = sum(out.drafted) - sum(out.accepted)
+    fed = len(prompt) + len(out.tokens[0]) - 1  # the last new token is never fed back
+    # Every layer saw the prompt, every fed generated token and the rejected drafts, each exactly once.
+    assert ours == [fed + rejected] * m.num_layers
+    assert rejected > 0 and sum(out.accepted) > 0
+    assert out.layers_run == (fed + rejected - len(prompt)) * m.num_layers
+    # HF's early-exit assistant keeps its own cache: its first E layers run the tokens again in verification.
+    assert all(counts[layer] > ours[layer] for layer in range(exit_layer))
+
+
+def test_cache_after_self_speculation_is_the_full_model_cache():
+    """After decoding, the valid slots of a row are exactly its prompt and fed tokens (holes masked)."""
+    m = _lively("tiny-llama", 0.1)
+    prompts = _prompts(3, seed=9)
+    from fastdecode.decoding import self_speculative as module
+
+    captured = {}
+    original = module.prefill
+
+    def spy(*args, **kwargs):
+        captured["state"] = state = original(*args, **kwargs)
+        return state
+
+    module.prefill = spy
+    try:
+        out = self_speculative(m, prompts, DecodeConfig(max_new_tokens=15, exit_layer=2))
+    finally:
+        module.prefill = original
+    cache = captured["state"].cache
+    valid = cache.key_valid[:, : cache.lengths[0]].sum(1).tolist()
+    assert valid == [len(p) + len(t) - 1 for p, t in zip(prompts, out.tokens, strict=True)]
+    assert len(set(cache.lengths)) == 1
+
+
+# --------------------------------------------------------------------------------------------------------
+# Speculative sampling is lossless
+@functools.cache
+def _tiny_vocab_model() -> EarlyExitModel:
+    config = LlamaConfig(
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return EarlyExitModel(LlamaForCausalLM(config).eval())
+
+
+def _exact_joint(m: EarlyExitModel, prompt: list[int], n: int, cfg: DecodeConfig) -> torch.Tensor:
+    """P(t1..tn | prompt) of the target after cfg's logits processing: ``[V] * n``."""
+    vocab = m.vocab_size
+    prefixes = torch.tensor(list(itertools.product(range(vocab), repeat=n - 1)))  # [V^(n-1), n-1]
+    ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], 1)
+    with torch.no_grad():
+        probs = probabilities(m.hf(ids).logits[:, len(prompt) - 1 :], cfg)  # [V^(n-1), n, V]
+    joint = torch.ones(len(prefixes))
+    for i in range(n - 1):
+        joint = joint * probs[torch.arange(len(prefixes)), i, prefixes[:, i]]
+    return (joint[:, None] * probs[:, -1]).reshape([vocab] * n)
+
+
+def _chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson chi-square p-value; cells expected < 5 are pooled; a sample in an impossible cell gives 0."""
+    observed, expected = observed.flatten().double(), expected.flatten().double()
+    if observed[expected == 0].sum() > 0:
+        return 0.0
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat, dof = float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+    try:
+        from scipy.stats import chi2
+
+        return float(chi2.sf(stat, dof))
+    except ImportError:  # Wilson-Hilferty: (X/k)^(1/3) is close to normal
+        z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+        return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _pair_pvalues(tokens: list[list[int]], joint: torch.Tensor) -> list[float]:
+    samples = torch.tensor(tokens)  # [N, n]
+    n, vocab = samples.shape[1], joint.shape[0]
+    pvalues = []
+    for i in range(n - 1):
+        keep = [d for d in range(n) if d not in (i, i + 1)]
+        expected = joint.sum(keep) * len(samples) if keep else joint * len(samples)
+        observed = torch.zeros(vocab, vocab).index_put_(
+            (samples[:, i], samples[:, i + 1]), torch.ones(len(samples)), accumulate=True
+        )
+        pvalues.append(_chi2_pvalue(observed, expected))
+    return pvalues
+
+
+@pytest.mark.parametrize(
+    ("processing", "policy"),
+    [({}, "constant"), ({"top_k": 4}, "constant"), ({"top_p": 0.8}, "constant")]
+    + [({}, policy) for policy in ("heuristic", "confidence", "adaptive")],
+    ids=["plain", "top_k", "top_p", "heuristic", "confidence", "adaptive"],
+)
+def test_speculative_sampling_matches_the_target_distribution(processing, policy):
+    """4000 rows of one prompt, 4 new tokens (t1 from the prefill, t2-t3 drafted and verified, t4 a bonus or
+    a correction): every adjacent pair's distribution matches the target's exactly computed one."""
+    m = _tiny_vocab_model()
+    prompt, samples = [3, 1, 4, 1, 5], 4000
+    cfg = DecodeConfig(
+        max_new_tokens=4, temperature=1.0, exit_layer=1, draft_tokens=3, seed=1, policy=policy, **processing
+    )
+    joint = _exact_joint(m, prompt, 4, cfg)
+    out = self_speculative(m, [prompt] * samples, cfg)
+    assert 0.2 < out.acceptance_rate < 0.95  # both the accept and the residual paths were taken
+    assert min(_pair_pvalues(out.tokens, joint)) > 1e-3
+    target_only = autoregressive(m, [prompt] * samples, replace(cfg, exit_layer=None))
+    assert min(_pair_pvalues(target_only.tokens, joint)) > 1e-3
+    # The test has power: sampling from the drafter alone (pure early exit) is clearly rejected.
+    lossy = autoregressive(m, [prompt] * samples, cfg)
+    assert min(_pair_pvalues(lossy.tokens, joint)) < 1e-6
+
+
+# --------------------------------------------------------------------------------------------------------
+# Bad input
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"exit_layer": 0}, "exit_layer=0"),
+        ({"exit_layer": -1}, "exit_layer=-1"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+        ({"policy": "dynamik"}, "Unknown draft-length policy 'dynamik'.*adaptive, confidence"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
+)
+def test_bad_config_raises(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        DecodeConfig(**{"max_new_tokens": 8, **overrides})
+
+
+def test_bad_input_against_the_model_raises():
+    m = _lively("tiny-llama")
+    with pytest.raises(ConfigError, match="exit_layer=4 but the model has 4 layers.*<= 3"):
+        self_speculative(m, [[5, 6]], DecodeConfig(max_new_tokens=4, exit_layer=4))
+    with pytest.raises(ConfigError, match="exit_layer=9"):
+        autoregressive(m, [[5, 6]], DecodeConfig(max_new_tokens=4, exit_layer=9))
+    with pytest.raises(ConfigError, match="needs decoder.exit_layer"):
+        self_speculative(m, [[5, 6]], DecodeConfig(max_new_tokens=4))
+    with pytest.raises(ConfigError, match="prompt 1 is empty"):
+        autoregressive(m, [[5, 6], []], DecodeConfig(max_new_tokens=4))
+    with pytest.raises(ConfigError, match="no prompts"):
+        autoregressive(m, [], DecodeConfig(max_new_tokens=4))
+    with pytest.raises(
+        ConfigError, match="prompt 0 has 510 tokens.*is 512 and max_new_tokens=8.*at most 504"
+    ):
+        self_speculative(m, [[5] * 510], DecodeConfig(max_new_tokens=8, exit_layer=2))
+    with pytest.raises(ConfigError, match="Unknown decoder 'speculative'.*autoregressive, self_speculative"):
+        get_decoder("speculative")
+    with pytest.raises(ConfigError, match="no separate draft model"):
+        self_speculative(m, [[5, 6]], DecodeConfig(max_new_tokens=4, exit_layer=2), draft=m)
