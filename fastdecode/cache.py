@@ -44,6 +44,9 @@ class KVCache:
         self.lengths = [0] * num_layers
         # [B, capacity] bool: which slots each row may attend to (False = padding or a rejected token).
         self.key_valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
+        # [B, capacity] position of the token in each slot: sliding windows count positions, not slots, which
+        # differ once a row has holes.
+        self.key_pos = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)
         # Counts of tokens written per layer; tests use them to prove each token passes each layer once.
         self.writes = [0] * num_layers
 
@@ -61,6 +64,7 @@ class KVCache:
         self.k = [torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in self.k]
         self.v = [torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in self.v]
         self.key_valid = torch.nn.functional.pad(self.key_valid, (0, pad))
+        self.key_pos = torch.nn.functional.pad(self.key_pos, (0, pad))
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
@@ -79,12 +83,16 @@ class KVCache:
         self.writes[layer_idx] += key.shape[-2]
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
 
-    def reserve(self, valid: torch.Tensor, start: int) -> None:
-        """Mark slots ``[start, start + T)`` valid per row (``valid [B, T]`` bool) before tokens enter them."""
+    def reserve(self, valid: torch.Tensor, start: int, positions: torch.Tensor | None = None) -> None:
+        """Before tokens enter slots ``[start, start + T)``: their validity ``valid [B, T]`` (bool) and
+        positions ``[B, T]`` (default: the slot indices)."""
         end = start + valid.shape[1]
         if end > self.capacity:
             self._grow(end)
         self.key_valid[:, start:end] = valid
+        if positions is None:
+            positions = torch.arange(start, end, device=valid.device).expand_as(valid)
+        self.key_pos[:, start:end] = positions
 
     def crop(self, length: int, layers: range | None = None) -> None:
         """Roll back: keep only the first ``length`` slots of ``layers`` (all by default). No data moves."""
@@ -97,21 +105,29 @@ class KVCache:
 
 
 def attention_mask(
-    key_valid: torch.Tensor, query_start: int, num_queries: int, dtype: torch.dtype, window: int | None = None
+    key_valid: torch.Tensor,
+    query_start: int,
+    num_queries: int,
+    dtype: torch.dtype,
+    window: int | None = None,
+    key_pos: torch.Tensor | None = None,
+    query_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Additive attention mask ``[B, 1, T, S]`` for queries at slots ``query_start .. query_start+T-1``.
 
     ``key_valid`` is ``[B, S]`` (the slots attended to). A query at slot q attends to key slot s iff the slot
-    is valid for its row, ``s <= q`` (causal) and, with a sliding ``window``, ``s > q - window``.
-    Blocked entries are the dtype's minimum (not -inf) so a fully masked padding row gives no NaN.
+    is valid for its row, ``s <= q`` (causal) and, with a sliding ``window``, the key is less than ``window``
+    positions back: by ``query_pos [B, T]`` and ``key_pos [B, S]`` when given (a cache with holes), else by
+    slot distance. Blocked entries are the dtype's minimum (not -inf): a fully masked padding row has no NaN.
     """
     num_keys = key_valid.shape[1]
     device = key_valid.device
     q = torch.arange(query_start, query_start + num_queries, device=device)[:, None]  # [T, 1]
     s = torch.arange(num_keys, device=device)[None, :]  # [1, S]
-    allowed = s <= q
-    if window is not None:
-        allowed = allowed & (s > q - window)
-    allowed = allowed[None, None] & key_valid[:, None, None, :]  # [B, 1, T, S]
+    allowed = (s <= q)[None, None] & key_valid[:, None, None, :]  # [B, 1, T, S]
+    if window is not None and key_pos is not None and query_pos is not None:
+        allowed = allowed & (query_pos[:, None, :, None] - key_pos[:, None, None, :] < window)
+    elif window is not None:
+        allowed = allowed & (s > q - window)[None, None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)

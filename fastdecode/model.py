@@ -174,7 +174,8 @@ class EarlyExitModel:
 
         ``attention_mask``: additive ``[B, 1, T, S]`` or None. With None and no cache the layers attend
         causally within the T positions; with a cache the mask is built from ``cache.key_valid`` for queries
-        at slots ``cache.lengths[start] ..`` (the caller reserves those slots first, see ``forward``).
+        at slots ``cache.lengths[start] ..`` (the caller reserves those slots, with their validity and
+        positions, first: see ``forward``).
         """
         if not 0 <= start <= end <= self.num_layers:
             raise ValueError(f"layer range [{start}, {end}) outside [0, {self.num_layers}]")
@@ -188,7 +189,7 @@ class EarlyExitModel:
         for idx in range(start, end):
             window = self._windows[idx]
             if window not in masks:
-                masks[window] = self._mask(hidden, attention_mask, cache, past, window)
+                masks[window] = self._mask(hidden, attention_mask, cache, past, window, position_ids)
             hidden = self.layers[idx](
                 hidden,
                 attention_mask=masks[window],
@@ -206,13 +207,16 @@ class EarlyExitModel:
         cache: KVCache | None,
         past: int,
         window: int | None,
+        position_ids: torch.Tensor,
     ) -> torch.Tensor | None:
         num_queries = hidden.shape[1]
         if mask is not None:
             return mask
         if cache is not None:
+            end = past + num_queries
+            key_pos = cache.key_pos[:, :end] if window is not None else None
             return attention_mask(
-                cache.key_valid[:, : past + num_queries], past, num_queries, hidden.dtype, window
+                cache.key_valid[:, :end], past, num_queries, hidden.dtype, window, key_pos, position_ids
             )
         if num_queries == 1 or (window is None and self.config._attn_implementation == "sdpa"):
             return None  # SDPA applies causality itself (is_causal) when no mask is given
@@ -249,12 +253,12 @@ class EarlyExitModel:
         exit_layer = self.num_layers if exit_layer is None else exit_layer
         batch, num_new = input_ids.shape
         past = cache.lengths[0] if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + num_new, device=input_ids.device).expand(batch, -1)
         if cache is not None:
             if valid is None:
                 valid = torch.ones(batch, num_new, dtype=torch.bool, device=input_ids.device)
-            cache.reserve(valid, past)
-        if position_ids is None:
-            position_ids = torch.arange(past, past + num_new, device=input_ids.device).expand(batch, -1)
+            cache.reserve(valid, past, position_ids)
         hidden = self.embed(input_ids, position_ids)
         hidden = self.run_layers(hidden, 0, exit_layer, position_ids, cache=cache)
         return self.exit_logits(hidden)

@@ -51,8 +51,8 @@ def generate(
             return out
         active = rows.active_mask(m.device)  # [B] bool
         tokens = torch.where(active, tokens, torch.zeros_like(tokens))
-        cache.reserve(active[:, None], cache.lengths[0])  # finished rows write a slot no one attends to
         pos = positions[:, None]  # [B, 1]
+        cache.reserve(active[:, None], cache.lengths[0], pos)  # finished rows write a slot no one attends to
         hidden = m.run_layers(m.embed(tokens[:, None], pos), 0, depth, pos, cache=cache)
         logits = m.exit_logits(hidden[:, -1])  # [B, V]
         positions = positions + active.long()  # finished rows stay put (their positions never overflow)

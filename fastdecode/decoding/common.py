@@ -18,7 +18,6 @@ import torch
 from fastdecode.cache import KVCache
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.decoding.policies import POLICIES
-from fastdecode.decoding.windows import SlotPositions
 from fastdecode.model import EarlyExitModel
 
 
@@ -170,7 +169,6 @@ class Prefill:
     cache: KVCache
     positions: torch.Tensor  # [B] long: position of each row's next token (= its prompt length)
     logits: torch.Tensor  # [B, V]: logits after each row's last prompt token
-    slots: SlotPositions  # position of the token in each slot (padding: 0)
 
 
 def prefill(
@@ -192,10 +190,10 @@ def prefill(
         positions[row, width - len(prompt) :] = torch.arange(len(prompt))
     ids, valid, positions = (t.to(m.device) for t in (ids, valid, positions))
     cache = m.new_cache(batch, max(capacity, width))
-    cache.reserve(valid, 0)
+    cache.reserve(valid, 0, positions)
     hidden = m.run_layers(m.embed(ids, positions), 0, exit_layer or m.num_layers, positions, cache=cache)
     lengths = torch.tensor([len(p) for p in prompts], device=m.device)
-    return Prefill(cache, lengths, m.exit_logits(hidden[:, -1]), SlotPositions(positions))
+    return Prefill(cache, lengths, m.exit_logits(hidden[:, -1]))
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ Each token passes each layer exactly once: the layer-``< E`` KV written while dr
 full model writes, so it is kept (rejected drafts pass every layer once too: verification needs them).
 Rollback is a length pointer: crop every layer to the longest accepted length in the batch; rows that
 accepted fewer leave holes (``key_valid`` False) that attention masks exactly, so greedy output is
-bit-identical to ``autoregressive`` in fp32. Sliding windows count positions across holes (``windows.py``).
+bit-identical to ``autoregressive`` in fp32. Sliding windows count positions across holes (``KVCache.key_pos``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from fastdecode.decoding.common import (
     sample,
 )
 from fastdecode.decoding.policies import POLICIES, Constant, LaggedFlag
-from fastdecode.decoding.windows import SlotPositions, run_layers
 from fastdecode.model import EarlyExitModel
 
 
@@ -51,7 +50,6 @@ class Draft:
 def _draft(
     m: EarlyExitModel,
     cache: KVCache,
-    slots: SlotPositions,
     last: torch.Tensor,
     positions: torch.Tensor,
     active: torch.Tensor,
@@ -69,9 +67,8 @@ def _draft(
     token = last
     for i in range(limit + 1):
         pos = (positions + i).clamp(max=max_position)[:, None]  # [B, 1]
-        cache.reserve(active[:, None], cache.lengths[0])  # finished rows: a slot nobody attends to
-        slots.write(cache.lengths[0], pos)
-        hidden = run_layers(m, m.embed(token[:, None], pos), 0, cfg.exit_layer, pos, cache, slots)
+        cache.reserve(active[:, None], cache.lengths[0], pos)  # finished rows: a slot nobody attends to
+        hidden = m.run_layers(m.embed(token[:, None], pos), 0, cfg.exit_layer, pos, cache=cache)
         hiddens.append(hidden)
         # The flag about `token` (pushed last step) is read only now, after its pass was launched: no stall.
         if i == limit or not flag.read():
@@ -155,12 +152,12 @@ def generate(
         active = rows.active_mask(m.device)
         limit = min(policy.draft_limit(), rows.most_remaining() - 1)  # the verifier adds one token itself
         start = cache.lengths[0]
-        drafted = _draft(m, cache, state.slots, last, positions, active, limit, policy, flag, cfg, generator)
+        drafted = _draft(m, cache, last, positions, active, limit, policy, flag, cfg, generator)
         k = drafted.tokens.shape[1]
         pos = (positions[:, None] + torch.arange(k + 1, device=m.device)).clamp(
             max=m.config.max_position_embeddings - 1
         )
-        hidden = run_layers(m, drafted.hidden, exit_layer, num_layers, pos, cache, state.slots)
+        hidden = m.run_layers(drafted.hidden, exit_layer, num_layers, pos, cache=cache)
         accepted, last, oracle = _accept(m.exit_logits(hidden), drafted, cfg, generator)
         # The one host sync per round: emitted tokens decide EOS, budgets and the rollback length.
         host = torch.cat([drafted.tokens, last[:, None], accepted[:, None], oracle[:, None]], 1).tolist()
