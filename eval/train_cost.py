@@ -23,7 +23,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from fastdecode.config import ModelConfig, load_group, to_plain  # noqa: E402
+from fastdecode.config import ModelConfig, load_group  # noqa: E402
 from fastdecode.loading import load_model  # noqa: E402
 
 RECIPES = {
@@ -175,7 +175,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     if args.out:
-        Path(args.out).write_text(json.dumps(to_plain(result), indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fastdecode.config import ConfigError
+from fastdecode.config import ConfigError, unknown_name_error
 from layerskip_train.early_exit_loss import CURRICULA, SelfDistill
 
 
@@ -26,8 +26,6 @@ class EarlyExitLossConfig:
 
     def __post_init__(self) -> None:
         if self.curriculum not in CURRICULA:
-            from fastdecode.config import unknown_name_error
-
             raise unknown_name_error("curriculum", self.curriculum, list(CURRICULA))
         if not 0.0 < self.token_fraction <= 1.0:
             raise ConfigError(

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.cli import is_main_process, save_resolved_config
-from fastdecode.config import to_dataclass
+from fastdecode.config import ConfigError, to_dataclass
 from fastdecode.data.chat import build_datasets, collate
 from fastdecode.exit_report import choose_exit, exit_report, plot_reports
 from fastdecode.io import atomic_write_json
@@ -43,8 +43,6 @@ def validate(rcfg: LayerSkipConfig, num_layers: int) -> None:
     scale_weights(ee.scale_fn, sorted(set(exits) | {num_layers - 1}), num_layers, ee.scale)
     dropout_rates(ld.prob, num_layers, ld.layers, ld.layers_scale, ld.time_scale, 0, 1)
     if rcfg.exit_layer is not None and not 1 <= rcfg.exit_layer < num_layers:
-        from fastdecode.config import ConfigError
-
         raise ConfigError(
             f"recipe.exit_layer={rcfg.exit_layer} must be in [1, {num_layers - 1}] (blocks run)."
         )
