@@ -99,6 +99,14 @@ class KVCache:
         for layer in layers if layers is not None else range(len(self.lengths)):
             self.lengths[layer] = min(self.lengths[layer], length)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` ([b] long indices, in that order): finished rows stop costing compute.
+        Copies the kept rows' buffers once; slot layout, lengths and write counts are unchanged."""
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
+        self.key_valid = self.key_valid.index_select(0, rows)
+        self.key_pos = self.key_pos.index_select(0, rows)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """HF-compatible name for ``lengths[layer_idx]``."""
         return self.lengths[layer_idx]

@@ -103,6 +103,8 @@ class EarlyExitModel:
         self._project_out = _get(backbone, self.family.project_out)
         self.lm_head: nn.Linear = model.get_output_embeddings()
         self._windows = [self._sliding_window(i) for i in range(len(self.layers))]
+        # (ids, head weight version, weight rows [S, H_out], bias [S] | None): see ``exit_logits_subset``
+        self._head_subset: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None] | None = None
 
     # ----------------------------------------------------------------------------------------------------
     # Geometry
@@ -125,6 +127,15 @@ class EarlyExitModel:
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    def step_cost(self, depth: int | None = None, head_rows: int | None = None) -> int:
+        """Weights read to decode one token through layers ``[0, depth)`` (all by default) and an LM head of
+        ``head_rows`` rows (the full vocabulary by default): the cost of a memory-bound decoding step, used to
+        compare a drafter with its target. Embeddings are a lookup and do not count."""
+        depth = self.num_layers if depth is None else depth
+        layers = sum(p.numel() for layer in self.layers[:depth] for p in layer.parameters())
+        rows = self.vocab_size if head_rows is None else head_rows
+        return layers + rows * self.lm_head.in_features
 
     def kv_geometry(self) -> tuple[int, int]:
         """(number of KV heads, head dim) of every layer."""
@@ -234,6 +245,28 @@ class EarlyExitModel:
     def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of an exit: shared final norm + LM head on ``hidden [..., H]`` -> ``[..., V]``."""
         return self.lm_head(self.exit_hidden(hidden))
+
+    def exit_logits_subset(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Logits of an exit over the vocabulary rows ``ids [S]`` only: ``[..., H] -> [..., S]``; column j
+        is the logit of token ``ids[j]``, exactly ``exit_logits(hidden)[..., ids]`` up to rounding.
+
+        Why: a cheaper draft head (``fastdecode/draft_vocab.py``). The head rows are gathered once per
+        ``ids`` tensor (pass the same tensor object every step) and again after the head's weights change;
+        they are detached: this head is for decoding, not for training.
+        """
+        weight = self.lm_head.weight
+        cached = self._head_subset
+        if cached is None or cached[0] is not ids or cached[1] != weight._version:
+            bias = self.lm_head.bias
+            rows = weight.detach().index_select(0, ids)
+            cached = (
+                ids,
+                weight._version,
+                rows,
+                None if bias is None else bias.detach().index_select(0, ids),
+            )
+            self._head_subset = cached
+        return torch.nn.functional.linear(self.exit_hidden(hidden), cached[2], cached[3])
 
     # ----------------------------------------------------------------------------------------------------
     # Convenience

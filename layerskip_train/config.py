@@ -62,6 +62,9 @@ class ReportConfig:
     max_new_tokens: int = 64
     held_out_examples: int = 32  # held-out examples for per-exit perplexity and agreement
     max_draft: int = 8  # largest draft length considered when choosing the recommended exit
+    # Held-out set of the report: null = the training data's held-out split; a data config name (e.g.
+    # sharegpt) when training on generated data, so perplexity is measured on real answers.
+    data: str | None = None
 
 
 @dataclass
@@ -72,3 +75,6 @@ class LayerSkipConfig:
     exit_layer: int | None = None  # E recorded in generation_config; None: chosen from the exit report
     touch_skipped_layers: bool = True  # keep every parameter in the graph (DDP/ZeRO need it)
     report: ReportConfig = field(default_factory=ReportConfig)
+    # Size of the frequency-ranked draft vocabulary written next to the checkpoint (draft_vocab.json, from the
+    # trained-on tokens): drafting then scores only these head rows. null or >= the vocabulary: not written.
+    draft_vocab_size: int | None = 8192

@@ -1,18 +1,16 @@
 """``EarlyExitLM``: the module the Trainer trains; its forward computes the LayerSkip loss.
 
-Why a wrapper module: under DDP and DeepSpeed the loss must be computed inside the forward of the wrapped
-module, or the gradient reducer is bypassed and ranks silently train apart. So layer dropout and the
-early-exit loss live in ``forward``, and the Trainer wraps this module like any model.
+Why a wrapper module (``fastdecode.wrapped_lm``): under DDP and DeepSpeed the loss must be computed inside
+the forward of the wrapped module, so layer dropout and the early-exit loss live in ``forward``.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
 from fastdecode.cache import attention_mask as build_mask
-from fastdecode.model import EarlyExitModel
+from fastdecode.wrapped_lm import WrappedLM
 from layerskip_train.config import LayerSkipConfig
 from layerskip_train.early_exit_loss import active_exits, early_exit_loss, scale_weights
 from layerskip_train.layer_dropout import (
@@ -38,7 +36,7 @@ def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor
     return build_mask(mask.bool(), 0, mask.shape[1], dtype)
 
 
-class EarlyExitLM(nn.Module):
+class EarlyExitLM(WrappedLM):
     """Wraps a HF causal LM; ``forward(input_ids, labels, ..., step)`` returns the LayerSkip loss.
 
     Args:
@@ -51,9 +49,6 @@ class EarlyExitLM(nn.Module):
             every rank); None: chunks of ``early_exit_loss.chunk_size`` tokens.
     """
 
-    loss_type = "ForCausalLM"  # tells the Trainer the labels are shifted inside (token counting)
-    accepts_loss_kwargs = True  # the loss is normalised by num_items_in_batch (gradient accumulation)
-
     def __init__(
         self,
         model: PreTrainedModel,
@@ -63,47 +58,13 @@ class EarlyExitLM(nn.Module):
         rank: int = 0,
         exit_chunks: int | None = None,
     ) -> None:
-        super().__init__()
-        self.model = model
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.adapter = EarlyExitModel(base)
-        self.config = base.config
+        super().__init__(model)
         self.cfg = cfg
         self.seed, self.total_steps, self.rank = seed, max(total_steps, 1), rank
         self.exit_chunks = exit_chunks
         num_layers = self.adapter.num_layers
         self.candidate_exits = parse_layers(cfg.early_exit_loss.layers, num_layers)
         self.drop_layers = parse_layers(cfg.layer_dropout.layers, num_layers)
-        self._keys_to_ignore_on_save = self._tied_aliases()  # the Trainer's name for keys not saved
-
-    def _tied_aliases(self) -> list[str]:
-        """State-dict keys that alias an earlier key (a tied LM head): saved once, re-tied on load."""
-        seen: set[tuple[int, tuple]] = set()
-        aliases = []
-        for key, tensor in super().state_dict(keep_vars=True).items():
-            ident = (tensor.data_ptr(), tuple(tensor.shape))
-            if ident in seen and tensor.numel() > 0:
-                aliases.append(key)
-            seen.add(ident)
-        return aliases
-
-    def state_dict(self, *args, **kwargs):
-        """Without the tied aliases, so checkpoints save with safetensors (which refuses shared tensors)."""
-        state = super().state_dict(*args, **kwargs)
-        for key in self._keys_to_ignore_on_save:
-            state.pop(key, None)
-        return state
-
-    def activation_checkpointing_enable(self, **kwargs) -> None:
-        """The Trainer's ``activation_checkpointing=true``: recompute each block in backward.
-
-        The adapter calls HF's own layers, which checkpoint themselves once this is on.
-        """
-        self.model.activation_checkpointing_enable(**kwargs)
-
-    def tie_weights(self) -> None:
-        """Called by the Trainer after loading a checkpoint whose only missing keys are the aliases."""
-        self.model.tie_weights()
 
     def exits_at(self, step: int) -> list[int]:
         """Active exits (0-based blocks) at optimiser step ``step``: a pure function of the step."""

@@ -12,6 +12,8 @@ from typing import Any
 RECIPES: dict[str, str] = {
     "sft": "recipes.sft",
     "layerskip": "recipes.layerskip",
+    "skipdecode": "recipes.skipdecode",
+    "cllm": "recipes.cllm",
 }
 
 

@@ -245,3 +245,32 @@ def _fresh_like(hf_model, peft: PeftConfig):
     fresh = type(base)(config).float()
     fresh.generation_config = copy.deepcopy(base.generation_config)
     return apply_peft(fresh, peft) if peft.method != "none" else fresh
+
+
+def probe_loss(trainer, probe: dict) -> float:
+    """The live (possibly wrapped and sharded) training module's loss on a fixed probe batch, in eval mode.
+
+    Every rank must call this: under ZeRO-3 the forward gathers the partitions.
+    """
+    import torch
+
+    model = trainer.model_wrapped
+    model.eval()
+    device = trainer.args.device
+    with torch.no_grad():
+        loss = model(**{k: v.to(device) for k, v in probe.items()})["loss"]
+    return float(loss)
+
+
+def compare_export(saved_loss: float, live_loss: float, live_dtype) -> dict:
+    """Raise unless the exported checkpoint's probe loss matches the live model's (catches partial ZeRO-3
+    saves and lost LoRA merges); the export is fp32, so bf16 training gets a looser tolerance."""
+    import torch
+
+    diff = abs(saved_loss - live_loss)
+    tol = 1e-3 if live_dtype == torch.float32 else 3e-2
+    if diff > tol * max(1.0, abs(live_loss)):
+        raise RuntimeError(
+            f"exported checkpoint disagrees with the trained model: loss {saved_loss} vs {live_loss}"
+        )
+    return {"live_loss": live_loss, "saved_loss": saved_loss, "abs_diff": diff}

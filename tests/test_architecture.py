@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAINING = {"layerskip_train", "cllm_train"}
+TRAINING = {"layerskip_train", "cllm_train", "skipdecode_train"}
 FORBIDDEN = {
     "fastdecode": TRAINING | {"recipes"},
-    "layerskip_train": {"recipes", "cllm_train"},
-    "cllm_train": {"recipes", "layerskip_train"},
+    **{package: (TRAINING - {package}) | {"recipes"} for package in TRAINING},  # own package only
     "recipes": set(),
 }
 

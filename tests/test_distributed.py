@@ -71,3 +71,32 @@ def test_two_process_training_exports_a_loadable_checkpoint(tmp_path, kind, deep
     assert all(p.numel() > 0 for p in model.parameters())  # no empty ZeRO-3 partitions saved
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[3, 40, 50, 60]])).logits).all()
+
+
+def test_skipdecode_two_process_ddp_exports_a_loadable_checkpoint(tmp_path):
+    """Every layer runs at least on the prompts, so DDP needs no unused-parameter search."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl")
+    out = tmp_path / "run"
+    args = [
+        "train.py",
+        "recipe=skipdecode",
+        "recipe.max_budget=3",
+        "recipe.min_budget=2",
+        "model=tiny-llama",
+        "data=jsonl",
+        f"data.path={data}",
+        "data.held_out=4",
+        "trainer.max_steps=3",
+        "trainer.save_steps=3",
+        "+trainer.ddp_find_unused_parameters=false",
+        f"output_dir={out}",
+    ]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        _launcher("ddp") + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["export_check"]["abs_diff"] < 1e-4
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert all(p.numel() > 0 for p in model.parameters())

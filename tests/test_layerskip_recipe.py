@@ -50,8 +50,11 @@ def _history(run: Path, step: int) -> list[dict]:
 
 
 def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
-    summary = recipes.run(layerskip_cfg(tmp_path, "recipe.exit_layer=2"))
+    summary = recipes.run(layerskip_cfg(tmp_path, "recipe.exit_layer=2", "recipe.draft_vocab_size=8"))
     run = tmp_path / "run"
+    vocab = json.loads(Path(summary["draft_vocab"]).read_text())  # the most frequent trained-on tokens
+    assert Path(summary["draft_vocab"]).parent == Path(summary["checkpoint"]) and vocab["size"] == 8
+    assert 4 in vocab["ids"]  # EOS (a special token) is always draftable
     assert summary["export_check"]["abs_diff"] < 1e-4  # saved weights reproduce the live model
     reloaded = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
     exit_e = GenerationConfig.from_pretrained(summary["checkpoint"]).assistant_early_exit
@@ -141,6 +144,7 @@ def test_lora_adapters_train_merge_and_reload(tmp_path):
         ("recipe.early_exit_loss.scale_fn=log_l", r"Unknown early exit scale function 'log_l'.*Choices"),
         ("recipe.early_exit_loss.curriculum=cosine", r"Unknown curriculum 'cosine'.*rotational"),
         ("recipe.layer_dropout.layers_scale=cubic", r"Unknown .*'cubic'.*exp"),
+        ("recipe.report.data=sharegtp", r"Unknown recipe.report.data 'sharegtp'.*sharegpt"),
     ],
 )
 def test_bad_recipe_config_fails_before_training(tmp_path, override, message):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from fastdecode.config import unknown_name_error
-from fastdecode.decoding import autoregressive, self_speculative
+from fastdecode.decoding import assisted, autoregressive, jacobi, self_speculative, skipdecode
 from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, prefill
 from fastdecode.decoding.policies import POLICIES
 from fastdecode.model import EarlyExitModel
@@ -31,7 +31,10 @@ class Decoder(Protocol):
 
 DECODERS: dict[str, Decoder] = {
     "autoregressive": autoregressive.generate,
+    "assisted": assisted.generate,
     "self_speculative": self_speculative.generate,
+    "skipdecode": skipdecode.generate,
+    "jacobi": jacobi.generate,
 }
 
 

@@ -18,6 +18,7 @@ import torch
 from fastdecode.cache import KVCache
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.decoding.policies import POLICIES
+from fastdecode.jacobi import check_block_size, check_init
 from fastdecode.model import EarlyExitModel
 
 
@@ -25,7 +26,9 @@ from fastdecode.model import EarlyExitModel
 class DecodeConfig:
     """How to decode. ``temperature=0`` is greedy; ``exit_layer`` E is the number of blocks the drafter (or a
     pure early exit) runs; ``draft_tokens`` is K for the ``constant`` policy and the largest K for the others.
-    ``eos_token_id=None`` never stops early (pass the tokenizer's EOS id(s) to stop at EOS)."""
+    ``eos_token_id=None`` never stops early (pass the tokenizer's EOS id(s) to stop at EOS). ``draft_vocab``:
+    path of a draft vocabulary file (``fastdecode/draft_vocab.py``); the drafter's head then scores only those
+    tokens (verification keeps the full head: still lossless)."""
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -37,6 +40,16 @@ class DecodeConfig:
     confidence_threshold: float = 0.4
     eos_token_id: int | list[int] | None = None
     seed: int = 0
+    draft_vocab: str | None = None
+    # skipdecode (fastdecode/skipdecode.py): layers at the first new token (null: all), at max_length and
+    # after (null: = max), bottom layers always run, T where the decay ends (null: longest prompt + max_new)
+    skip_max_budget: int | None = None
+    skip_min_budget: int | None = None
+    skip_warmup_layers: int = 1
+    skip_max_length: int | None = None
+    # jacobi (fastdecode/decoding/jacobi.py): block size n >= 2; initial guess repeat | prompt | vocab
+    jacobi_block: int = 16
+    jacobi_init: str = "repeat"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -58,6 +71,11 @@ class DecodeConfig:
             raise ConfigError(f"decoder.confidence_threshold={self.confidence_threshold}: must be in [0, 1].")
         if self.policy not in POLICIES:
             raise unknown_name_error("draft-length policy", self.policy, list(POLICIES), "(decoder.policy)")
+        low, high = self.skip_min_budget, self.skip_max_budget
+        if low is not None and high is not None and low > high:  # the rest is checked against the model
+            raise ConfigError(f"decoder.skip_min_budget={low} > decoder.skip_max_budget={high}: must be <=.")
+        check_block_size(self.jacobi_block, "decoder.jacobi_block")
+        check_init(self.jacobi_init, "decoder.jacobi_init")
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +101,7 @@ class DecodeOutput:
     ``layers_run``: decoder-layer x token applications after the prefill, counted for active rows (compute).
     ``layer_calls``: decoder-layer forward calls after the prefill, each over the whole batch and any number
     of positions: the latency proxy when decoding is memory-bound (self-speculation lowers this one).
+    ``fast_forward`` (jacobi): tokens fixed per forward and row; ``stationary``: per converged block and row.
     """
 
     tokens: list[list[int]]
@@ -94,6 +113,8 @@ class DecodeOutput:
     position_drafted: list[int] = field(default_factory=list)
     layers_run: int = 0
     layer_calls: int = 0
+    fast_forward: list[int] = field(default_factory=list)
+    stationary: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -14,16 +14,15 @@ full model writes, so it is kept (rejected drafts pass every layer once too: ver
 Rollback is a length pointer: crop every layer to the longest accepted length in the batch; rows that
 accepted fewer leave holes (``key_valid`` False) that attention masks exactly, so greedy output is
 bit-identical to ``autoregressive`` in fp32. Sliding windows count positions across holes (``KVCache.key_pos``).
+The draft loop, the acceptance rule and rollback are shared with ``assisted`` (``speculative.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from fastdecode.cache import KVCache
 from fastdecode.config import ConfigError
+from fastdecode.decoding import speculative
 from fastdecode.decoding.common import (
     DecodeConfig,
     DecodeOutput,
@@ -32,95 +31,11 @@ from fastdecode.decoding.common import (
     choose,
     new_generator,
     prefill,
-    probabilities,
     refuse_draft_model,
-    sample,
 )
-from fastdecode.decoding.policies import POLICIES, Constant, LaggedFlag
+from fastdecode.decoding.policies import POLICIES
+from fastdecode.draft_vocab import draft_vocab_ids
 from fastdecode.model import EarlyExitModel
-
-
-@dataclass
-class Draft:
-    hidden: torch.Tensor  # [B, k+1, H]: exit hidden states of [t, d1..dk] (inputs of layer E)
-    tokens: torch.Tensor  # [B, k] drafted tokens
-    probs: torch.Tensor | None  # [B, k, V] processed drafter probabilities (sampling only)
-
-
-def _draft(
-    m: EarlyExitModel,
-    cache: KVCache,
-    last: torch.Tensor,
-    positions: torch.Tensor,
-    active: torch.Tensor,
-    limit: int,
-    policy: Constant,
-    flag: LaggedFlag,
-    cfg: DecodeConfig,
-    generator: torch.Generator,
-) -> Draft:
-    """Draft up to ``limit`` tokens after ``last [B]`` (at ``positions [B]``) with layers ``< E``."""
-    max_position = m.config.max_position_embeddings - 1  # rows past their budget: positions never used
-    hiddens, tokens, probs = [], [], []
-    policy.begin()
-    flag.reset()
-    token = last
-    for i in range(limit + 1):
-        pos = (positions + i).clamp(max=max_position)[:, None]  # [B, 1]
-        cache.reserve(active[:, None], cache.lengths[0], pos)  # finished rows: a slot nobody attends to
-        hidden = m.run_layers(m.embed(token[:, None], pos), 0, cfg.exit_layer, pos, cache=cache)
-        hiddens.append(hidden)
-        # The flag about `token` (pushed last step) is read only now, after its pass was launched: no stall.
-        if i == limit or not flag.read():
-            break
-        logits = m.exit_logits(hidden[:, -1])  # [B, V]
-        q = probabilities(logits, cfg) if policy.dynamic or not cfg.greedy else None
-        token = choose(logits, q, cfg, generator)
-        tokens.append(token)
-        if not cfg.greedy:
-            probs.append(q)
-        if policy.dynamic:
-            flag.push(policy.keep_drafting(q.gather(-1, token[:, None])[:, 0], active))
-    batch = last.shape[0]
-    drafted = torch.stack(tokens, 1) if tokens else last.new_zeros(batch, 0)
-    q_all = None
-    if not cfg.greedy:
-        q_all = torch.stack(probs, 1) if probs else torch.zeros(batch, 0, m.vocab_size, device=m.device)
-    return Draft(torch.cat(hiddens, 1), drafted, q_all)
-
-
-def _accept(
-    logits: torch.Tensor, draft: Draft, cfg: DecodeConfig, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Verifier ``logits [B, k+1, V]`` -> (accepted drafts [B], next token [B], oracle draft length [B])."""
-    k = draft.tokens.shape[1]
-    target = logits.argmax(-1)  # [B, k+1]
-    oracle = (draft.tokens == target[:, :k]).long().cumprod(-1).sum(-1)
-    if cfg.greedy:
-        return oracle, target.gather(1, oracle[:, None])[:, 0], oracle
-    p = probabilities(logits, cfg)  # [B, k+1, V]
-    # q after the last draft is 0, so the "residual" there is p itself: the bonus token when all are accepted.
-    q = torch.cat([draft.probs, torch.zeros_like(p[:, :1])], 1)
-    p_draft = p[:, :k].gather(-1, draft.tokens[..., None])[..., 0]  # [B, k]
-    q_draft = q[:, :k].gather(-1, draft.tokens[..., None])[..., 0]
-    r = torch.rand(p_draft.shape, generator=generator, device=p.device)
-    # Accept iff r < p/q (strict: a token the verifier gives probability 0 is never accepted).
-    accepted = (r * q_draft < p_draft).long().cumprod(-1).sum(-1)
-    at = accepted[:, None, None].expand(-1, 1, p.shape[-1])
-    p_at, q_at = p.gather(1, at)[:, 0], q.gather(1, at)[:, 0]  # [B, V]
-    residual = (p_at - q_at).clamp_min(0)
-    # p == q leaves no residual mass; a rejection then had probability 0, so any valid fallback is exact.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
-    return accepted, sample(residual, generator), oracle
-
-
-def _rollback(cache: KVCache, start: int, accepted: torch.Tensor, longest: int) -> None:
-    """Keep slots ``[start, start + longest]`` (t plus the longest accepted run); rows that accepted fewer
-    drafts get their rejected slots masked (holes)."""
-    cache.crop(start + longest + 1)
-    offsets = torch.arange(longest + 1, device=accepted.device)  # [longest + 1]
-    keep = offsets[None, :] <= accepted[:, None]  # [B, longest + 1]
-    cache.key_valid[:, start : start + longest + 1] &= keep
 
 
 @torch.inference_mode()
@@ -136,12 +51,13 @@ def generate(
             f"1 <= exit_layer <= {m.num_layers - 1}."
         )
     exit_layer, num_layers = cfg.exit_layer, m.num_layers
+    vocab = draft_vocab_ids(cfg, m)  # None unless decoder.draft_vocab names a subset for the draft head
     width = max(len(p) for p in prompts)
     state = prefill(m, prompts, width + cfg.max_new_tokens + cfg.draft_tokens + 1)
     cache, positions = state.cache, state.positions
     policy = POLICIES[cfg.policy](cfg.draft_tokens, cfg.confidence_threshold, exit_layer / num_layers)
-    flag = LaggedFlag(m.device)
     generator = new_generator(cfg, m.device)
+    drafter = speculative.Drafter(m, exit_layer, cache, policy, cfg, generator, vocab)
     rows = Rows(len(prompts), cfg)
     out = DecodeOutput(tokens=rows.tokens)
     last = choose(state.logits, None, cfg, generator)  # the first new token comes from the full prefill
@@ -152,26 +68,16 @@ def generate(
         active = rows.active_mask(m.device)
         limit = min(policy.draft_limit(), rows.most_remaining() - 1)  # the verifier adds one token itself
         start = cache.lengths[0]
-        drafted = _draft(m, cache, last, positions, active, limit, policy, flag, cfg, generator)
+        drafted = drafter.draft(last, positions, active, limit)
         k = drafted.tokens.shape[1]
         pos = (positions[:, None] + torch.arange(k + 1, device=m.device)).clamp(
             max=m.config.max_position_embeddings - 1
         )
         hidden = m.run_layers(drafted.hidden, exit_layer, num_layers, pos, cache=cache)
-        accepted, last, oracle = _accept(m.exit_logits(hidden), drafted, cfg, generator)
-        # The one host sync per round: emitted tokens decide EOS, budgets and the rollback length.
-        host = torch.cat([drafted.tokens, last[:, None], accepted[:, None], oracle[:, None]], 1).tolist()
-        per_row: list[int | None] = [None] * len(prompts)  # accepted drafts of the rows decoding this round
-        kept = [0] * len(prompts)  # drafts whose slots stay valid: accepted, cut at EOS / the budget
-        for row in live:
-            per_row[row] = a = host[row][k + 1]
-            kept[row] = rows.emit(row, host[row][:a] + [host[row][k]]) - 1
-        kept_t = torch.tensor(kept, device=m.device)
-        _rollback(cache, start, kept_t, max(kept))
-        positions = positions + (kept_t + 1) * active
-        out.record([per_row[row] for row in live], k, [host[row][k + 2] for row in live])
-        policy.update(per_row, k)
-        out.steps += 1
+        verdict = speculative.accept(m.exit_logits(hidden), drafted, cfg, generator)
+        last = verdict[1]
+        kept = speculative.settle(rows, out, policy, drafted, verdict, [cache], start)
+        positions = positions + (kept + 1) * active
         out.layers_run += (k + 1) * num_layers * len(live)
         out.layer_calls += (k + 1) * exit_layer + num_layers - exit_layer
     return out

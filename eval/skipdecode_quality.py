@@ -1,0 +1,80 @@
+"""SkipDecode quality: ``python eval/skipdecode_quality.py [checkpoint=PATH] [skip.skip_max_budget=20 ...]``.
+
+Writes ``skipdecode_quality.json`` into ``output_dir``: ROUGE-L and exact match of the ``skipdecode`` decoder's
+greedy outputs against full-depth greedy decoding, layers per generated token of both, and the perplexity of
+held-out reference answers under the policy and at full depth (``fastdecode/skipdecode_report.py``). Speed is
+``eval/speed.py decoder=[autoregressive,skipdecode]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from fastdecode.config import ModelConfig, to_dataclass  # noqa: E402
+from fastdecode.data.config import DataConfig  # noqa: E402
+
+
+@dataclasses.dataclass
+class SkipBudgets:
+    """The ``skip_*`` fields of ``DecodeConfig`` (null budgets: full depth)."""
+
+    skip_max_budget: int | None = None
+    skip_min_budget: int | None = None
+    skip_warmup_layers: int = 1
+    skip_max_length: int | None = None
+
+
+@dataclasses.dataclass
+class QualityJob:
+    model: ModelConfig
+    data: DataConfig
+    skip: SkipBudgets = dataclasses.field(default_factory=SkipBudgets)
+    checkpoint: str | None = None
+    prompts: int = 32
+    max_new_tokens: int = 64
+    batch_size: int = 8
+    output_dir: str = "outputs/skipdecode-quality"
+
+
+def run(cfg: Any) -> dict:
+    """Decode the held-out prompts both ways, score, write and return the report."""
+    from fastdecode.data.chat import build_datasets
+    from fastdecode.decoding import DecodeConfig
+    from fastdecode.io import atomic_write_json
+    from fastdecode.loading import load_model
+    from fastdecode.model import EarlyExitModel
+    from fastdecode.skipdecode_report import skipdecode_quality, split_examples
+
+    job = to_dataclass(QualityJob, cfg, "")
+    decode = DecodeConfig(max_new_tokens=job.max_new_tokens, **dataclasses.asdict(job.skip))
+    model_cfg = job.model
+    if job.checkpoint:
+        model_cfg = dataclasses.replace(job.model, source="hub", name_or_path=job.checkpoint, tokenizer=None)
+    model, tokenizer = load_model(model_cfg)
+    decode = dataclasses.replace(decode, eos_token_id=tokenizer.eos_token_id)
+    held_out = build_datasets(dataclasses.replace(job.data, max_samples=1), tokenizer)[1][: job.prompts]
+    report = skipdecode_quality(
+        EarlyExitModel(model), split_examples(held_out), decode, held_out, job.batch_size
+    )
+    report["options"] = dataclasses.asdict(job.skip) | {"checkpoint": job.checkpoint}
+    atomic_write_json(Path(job.output_dir) / "skipdecode_quality.json", report)
+    return report
+
+
+@hydra.main(config_path="../configs", config_name="skipdecode_quality", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    report = run(cfg)
+    print({k: v for k, v in report.items() if k != "options"})
+
+
+if __name__ == "__main__":
+    main()

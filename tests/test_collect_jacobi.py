@@ -1,0 +1,193 @@
+"""Trajectory collection: fixed points equal greedy decoding, records follow the schema, a killed run resumes
+to exactly the records of an uninterrupted one, two processes split the prompts, bad input fails clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from cllm_train.collect import run
+from cllm_train.records import RecordError, check_manifest, iter_records, read_manifest
+from eval.collect_throughput import run as run_throughput
+from fastdecode.config import ConfigError, ModelConfig, load_group
+from fastdecode.decoding import DECODERS, DecodeConfig
+from fastdecode.loading import load_model
+from fastdecode.model import EarlyExitModel
+from fastdecode.tokenizer import byte_tokenizer
+from tests.test_distributed import _free_port
+from tests.test_layerskip_recipe import write_chat_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+LIVELY = "+model.random_init.initializer_range=0.2"  # the default init (0.02) just repeats one token
+
+
+def _overrides(tmp_path: Path, *extra: str, lively: bool = True) -> list[str]:
+    data = tmp_path / "chat.jsonl"
+    if not data.exists():
+        write_chat_jsonl(data, n=14)
+    return [
+        "model=tiny-llama",
+        *([LIVELY] if lively else []),
+        "data=jsonl",
+        f"data.path={data}",
+        "data.held_out=2",
+        "block_size=6",
+        "max_new_seq_len=20",
+        "batch_size=3",
+        "shard_records=10",
+        "progress=false",
+        f"output_dir={tmp_path / 'out'}",
+        *extra,
+    ]
+
+
+def _cfg(tmp_path: Path, *extra: str, lively: bool = True):
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        return compose("collect_jacobi", overrides=_overrides(tmp_path, *extra, lively=lively))
+
+
+def _records(directory: Path) -> list[dict]:
+    return list(iter_records(directory))
+
+
+def test_fixed_points_are_greedy_and_records_chain(tmp_path):
+    cfg = _cfg(tmp_path)
+    manifest = run(cfg)
+    records = _records(tmp_path / "out")
+    assert manifest["complete"] and len(records) == manifest["totals"]["records"] > 12
+    assert len(manifest["shards"]) > 1 and sorted(manifest["completed_prompt_ids"]) == sorted(
+        {r["prompt_id"] for r in records}
+    )
+    init = load_group("model", "tiny-llama", ModelConfig).random_init | {"initializer_range": 0.2}
+    hf, tokenizer = load_model(load_group("model", "tiny-llama", ModelConfig, random_init=init))
+    m = EarlyExitModel(hf)
+    greedy = DECODERS["autoregressive"](m, [r["prefix"] for r in records], DecodeConfig(max_new_tokens=6))
+    for rec, tokens in zip(records, greedy.tokens, strict=True):
+        assert rec["fixed_point"] == tokens  # the fixed point is the greedy continuation of the prefix
+    by_prompt: dict[str, list[dict]] = {}
+    for rec in records:
+        by_prompt.setdefault(rec["prompt_id"], []).append(rec)
+    for recs in by_prompt.values():
+        assert [r["block"] for r in recs] == list(range(len(recs)))
+        for a, b in zip(recs, recs[1:], strict=False):
+            assert b["prefix"] == a["prefix"] + a["fixed_point"] and not a["eos"]
+        last = recs[-1]
+        assert last["eos"] or len(last["prefix"]) + 6 - last["prompt_len"] >= 20
+        assert last["labels"] == recs[0]["labels"] and last["labels"][-1] == tokenizer.eos_token_id
+    check_manifest(manifest, tokenizer, "random:tiny-llama:0")
+
+
+def test_killed_collection_resumes_to_the_uninterrupted_records(tmp_path):
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    run(_cfg(whole))
+    expected = _records(whole / "out")
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_two(k: int) -> None:
+        if k == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        run(_cfg(tmp_path), after_commit=kill_after_two)
+    partial = read_manifest(tmp_path / "out")
+    assert not partial["complete"] and partial["totals"]["prompts"] == 6
+    shard = tmp_path / "out" / partial["shards"][-1]["path"]
+    with open(shard, "a") as f:  # a batch that was being written when the process died
+        f.write('{"prompt_id": "chat.jsonl:9", "block": 0, "pre')
+    manifest = run(_cfg(tmp_path))
+    assert _records(tmp_path / "out") == expected
+    assert manifest["totals"] == read_manifest(whole / "out")["totals"]
+    with pytest.raises(ConfigError, match="config.block_size"):  # a resume must not mix two collections
+        run(_cfg(tmp_path, "block_size=7"))
+
+
+def test_repetition_filters_are_counted_and_an_empty_result_is_an_error(tmp_path):
+    manifest = run(_cfg(tmp_path, "filters.ngram_size=1", "filters.max_ngram_repeats=1"))
+    records = _records(tmp_path / "out")
+    assert 0 < manifest["filters"]["repeat_ngram"] < manifest["totals"]["prompts"] and records
+    for rec in records:  # kept blocks never repeat a token (cut at EOS)
+        output = rec["prefix"][rec["prompt_len"] :] + rec["fixed_point"]
+        output = output[: output.index(4) + 1] if 4 in output else output
+        assert len(set(output)) == len(output)
+    # the default tiny init repeats one token: every prompt stops at its first block, nothing is left
+    with pytest.raises(ConfigError, match="filtered out"):
+        run(_cfg(tmp_path, "filters.max_repeat_run=3", f"output_dir={tmp_path / 'none'}", lively=False))
+    assert read_manifest(tmp_path / "none")["filters"]["repeat_run"] == 12
+
+
+def test_bad_input_fails_clearly(tmp_path):
+    with pytest.raises(ConfigError, match="n >= 2"):
+        run(_cfg(tmp_path, "block_size=1"))
+    with pytest.raises(ConfigError, match="evaluation-only"):
+        run(_cfg(tmp_path, "data=mt_bench"))
+    with pytest.raises(ConfigError, match="no prompt to collect"):
+        run(_cfg(tmp_path, "max_prompt_len=3"))
+    assert not (tmp_path / "out").exists()  # refused before any work
+    run(_cfg(tmp_path, "max_prompts=3"))
+    manifest = read_manifest(tmp_path / "out")
+    with pytest.raises(ConfigError, match="model 'random:tiny-llama:0'"):
+        check_manifest(manifest, byte_tokenizer(), "HuggingFaceTB/SmolLM2-135M-Instruct")
+    other = byte_tokenizer()
+    other.add_tokens(["<extra>"])
+    with pytest.raises(ConfigError, match="tokenizer"):
+        check_manifest(manifest, other, "random:tiny-llama:0")
+    shard = tmp_path / "out" / manifest["shards"][0]["path"]
+    lines = shard.read_text().splitlines(keepends=True)
+    broken = json.loads(lines[1]) | {"first_mismatch": [0]}
+    shard.write_text(lines[0] + json.dumps(broken) + "\n" + "".join(lines[2:]))
+    manifest["shards"][0]["bytes"] = shard.stat().st_size
+    with pytest.raises(RecordError, match=f"{shard.name}:2: .*first_mismatch"):
+        list(iter_records(tmp_path / "out", manifest))
+
+
+def test_throughput_benchmark_matches_the_reference(tmp_path):
+    report = run_throughput(_cfg(tmp_path, "+bench_prompts=3", "+warmup=true", "max_new_seq_len=12"))
+    assert report["records"]["ours"] == report["records"]["reference"] == report["same_states"] > 0
+
+
+@pytest.mark.distributed
+def test_two_processes_split_the_prompts(tmp_path):
+    single = tmp_path / "single"
+    single.mkdir()
+    run(_cfg(single))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = launcher + [str(_free_port()), "collect_jacobi.py", *_overrides(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = read_manifest(tmp_path / "out")
+    assert manifest["complete"] and manifest["world_size"] == 2
+    assert {s["path"].split("-")[1] for s in manifest["shards"]} == {"r0", "r1"}
+    key = lambda r: (r["prompt_id"], r["block"])  # noqa: E731
+    assert sorted(_records(tmp_path / "out"), key=key) == sorted(_records(single / "out"), key=key)
+
+
+@pytest.mark.slow
+def test_smollm2_sharegpt_fixed_points_are_greedy(tmp_path):
+    out = tmp_path / "out"
+    overrides = [
+        "model=smollm2-135m",
+        "+model.dtype=float32",
+        "+model.device=cpu",
+        "data=sharegpt",
+        "max_prompts=3",
+        "block_size=16",
+        "max_new_seq_len=32",
+        "progress=false",
+        f"output_dir={out}",
+    ]
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        run(compose("collect_jacobi", overrides=overrides))
+    records = _records(out)
+    hf, _ = load_model(load_group("model", "smollm2-135m", ModelConfig, dtype="float32", device="cpu"))
+    greedy = DECODERS["autoregressive"](EarlyExitModel(hf), [r["prefix"] for r in records], DecodeConfig(16))
+    assert [r["fixed_point"] for r in records] == greedy.tokens

@@ -1,0 +1,339 @@
+"""SkipDecode: the policy's properties, exactness of the teacher-forced training forward against token-by-token
+decoding, the KV cache written and read only where the policy runs, the recipe end to end, ROUGE-L, bad input."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from transformers import AutoModelForCausalLM
+
+import recipes
+from fastdecode.config import CONFIG_DIR, ConfigError
+from fastdecode.decoding import DECODERS, DecodeConfig
+from fastdecode.decoding.common import prefill
+from fastdecode.decoding.skipdecode import policy_from_config, step
+from fastdecode.model import EarlyExitModel
+from fastdecode.skipdecode import SkipDecodePolicy, policy_hidden, response_starts
+from fastdecode.skipdecode_report import lcs_length, rouge_l, skipdecode_quality, split_examples
+from skipdecode_train.module import SkipDecodeLM
+from tests.conftest import TINY_MODELS
+from tests.test_decoding import _lively, _prompts
+from tests.test_layerskip_recipe import write_chat_jsonl
+
+skipdecode = DECODERS["skipdecode"]
+NEW = 12
+
+
+# --------------------------------------------------------------------------------------------------------
+# Policy
+def _random_policy(rng: random.Random) -> SkipDecodePolicy:
+    layers = rng.randint(1, 40)
+    warmup = rng.randint(0, layers - 1)
+    low = rng.randint(warmup + 1, layers)
+    return SkipDecodePolicy(layers, rng.randint(low, layers), low, warmup, rng.randint(2, 300))
+
+
+def test_policy_properties_over_random_configs():
+    rng = random.Random(0)
+    for _ in range(300):
+        policy = _random_policy(rng)
+        big_l, w = policy.num_layers, policy.warmup_layers
+        prompt = rng.randint(1, policy.max_length - 1)
+        total = prompt + rng.randint(0, 2 * policy.max_length)
+        b = policy.budgets(prompt, total)
+        assert b.shape == (total,) and (b[:prompt] == big_l).all()  # prompt at full depth
+        response = b[prompt:]
+        assert ((response >= policy.min_budget) & (response <= policy.max_budget)).all()
+        assert (b[1:] <= b[:-1]).all()  # non-increasing
+        span = policy.max_length - prompt
+        k = torch.arange(len(response))
+        linear = policy.max_budget - (policy.max_budget - policy.min_budget) * k / span
+        assert ((response - linear.clamp(min=policy.min_budget)).abs() <= 0.5).all()  # linear, rounded
+        if len(response) > span:
+            assert response[span:].eq(policy.min_budget).all() and response[0] == policy.max_budget
+        runs = policy.runs_layer(b)  # [L, T]
+        assert runs[:w].all() and runs[-1].all()  # warm-up and the top layer always run
+        assert torch.equal(runs.sum(0), b)  # exactly b(t) layers
+        assert (runs[:, 1:] <= runs[:, :-1]).all()  # S(t) ⊆ S(t') for t' < t: no KV recomputation
+        for t in rng.sample(range(total), min(total, 3)):
+            warm, top = policy.layer_ranges(int(b[t]))
+            assert torch.equal(runs[:, t].nonzero().flatten(), torch.tensor([*warm, *top], dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(max_budget=2, min_budget=3), r"min_budget=3 > max_budget=2"),
+        (dict(max_budget=5, min_budget=2), r"max_budget=5 is outside \[2, 4\]"),
+        (dict(max_budget=4, min_budget=1), r"min_budget=1 is outside \[2, 4\]"),
+        (dict(max_budget=4, min_budget=3, warmup_layers=3), r"min_budget=3 is outside \[4, 4\]"),
+        (dict(max_budget=4, min_budget=4, warmup_layers=4), r"warmup_layers=4 .* <= 3"),
+        (dict(max_budget=4, min_budget=2, max_length=0), r"max_length=0"),
+    ],
+)
+def test_bad_policy_raises(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        SkipDecodePolicy(num_layers=4, **({"max_length": 64} | kwargs))
+
+
+def test_bad_decoder_input_raises_before_any_model_work():
+    m = _lively("tiny-llama")
+    with pytest.raises(ConfigError, match=r"skip_min_budget=3 > decoder.skip_max_budget=2"):
+        DecodeConfig(max_new_tokens=4, skip_max_budget=2, skip_min_budget=3)
+    with pytest.raises(ConfigError, match=r"decoder.skip_max_budget=9 is outside \[2, 4\]"):
+        skipdecode(m, [[5, 6]], DecodeConfig(max_new_tokens=4, skip_max_budget=9))
+    with pytest.raises(ConfigError, match=r"exit_layer=2: skipdecode always ends at the last layer"):
+        skipdecode(m, [[5, 6]], DecodeConfig(max_new_tokens=4, exit_layer=2))
+    with pytest.raises(ConfigError, match=r"skip_max_length=5 but the longest prompt has 6 tokens"):
+        skipdecode(m, [[5] * 6, [7]], DecodeConfig(max_new_tokens=4, skip_max_length=5))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Exactness: training forward == token-by-token decoding
+def _teacher_forced(m: EarlyExitModel, prompts, continuations) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids``/``labels`` of prompt + continuation rows (labels on the continuation)."""
+    seqs = [p + c for p, c in zip(prompts, continuations, strict=True)]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100)
+    for row, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
+        ids[row, : len(s)] = torch.tensor(s)
+        labels[row, len(p) : len(s)] = torch.tensor(s[len(p) :])
+    return ids, labels
+
+
+@torch.no_grad()
+def _stepwise_logits(m, policy, prompts, continuations) -> torch.Tensor:
+    """``[B, N, V]``: logits after the prompt and after each continuation token, decoded with the cache."""
+    width = max(map(len, prompts))
+    state = prefill(m, prompts, width + NEW)
+    budgets = policy.response_budgets(NEW, width).tolist()
+    logits, positions = [state.logits], state.positions
+    valid = torch.ones(len(prompts), dtype=torch.bool)
+    for k in range(len(continuations[0]) - 1):
+        tokens = torch.tensor([c[k] for c in continuations])
+        logits.append(step(m, policy, state.cache, tokens, positions, valid, budgets[k]))
+        positions = positions + 1
+    return torch.stack(logits, dim=1)
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("warmup,high,low", [(1, 3, 2), (0, 4, 1), (2, 4, 3)])
+def test_training_forward_equals_token_by_token_decoding(name, batch, warmup, high, low):
+    m = _lively(name)
+    prompts = _prompts(batch, seed=batch + warmup)
+    cfg = DecodeConfig(
+        max_new_tokens=NEW, skip_max_budget=high, skip_min_budget=low, skip_warmup_layers=warmup
+    )
+    out = skipdecode(m, prompts, cfg)
+    policy = policy_from_config(cfg, m.num_layers, max(map(len, prompts)))
+    ids, labels = _teacher_forced(m, prompts, out.tokens)
+    with torch.no_grad():
+        forced = m.exit_logits(policy_hidden(m, policy, ids, labels))  # [B, T, V]
+        loss = SkipDecodeLM(m.hf, policy)(input_ids=ids, labels=labels)["loss"]
+    stepwise = _stepwise_logits(m, policy, prompts, out.tokens)  # [B, NEW, V]
+    for row, prompt in enumerate(prompts):
+        rows = forced[row, len(prompt) - 1 : len(prompt) - 1 + NEW]
+        torch.testing.assert_close(rows, stepwise[row], atol=2e-5, rtol=1e-5)
+        assert rows.argmax(-1).tolist() == out.tokens[row]  # greedy output = argmax of the training forward
+    targets = torch.tensor(out.tokens)  # every row generated NEW tokens (no EOS)
+    expected = F.cross_entropy(stepwise.flatten(0, 1), targets.flatten())  # stepwise[:, k] predicts token k
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)  # the trained loss is the decoder's
+    fed = policy.response_budgets(NEW - 1, max(map(len, prompts)))  # the last token is emitted, not fed
+    assert out.layers_run == batch * int(fed.sum())
+
+
+class _CacheSpy(EarlyExitModel):
+    """Keeps the cache a decoder allocates, so the test can inspect it after ``generate``."""
+
+    def new_cache(self, batch_size: int, capacity: int):
+        self.cache = super().new_cache(batch_size, capacity)
+        return self.cache
+
+
+def test_cache_is_written_and_read_only_where_the_policy_runs():
+    m = _CacheSpy(_lively("tiny-llama").hf)
+    big_l, prompts = m.num_layers, _prompts(3, seed=5)
+    width = max(map(len, prompts))
+    seen: list[tuple[int, int, int]] = []  # (layer, its cache length, the step's slot) at each layer call
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda *_, i=i: seen.append((i, m.cache.lengths[i], m.cache.lengths[big_l - 1]))
+        )
+        for i, layer in enumerate(m.layers)
+    ]
+    try:
+        cfg = DecodeConfig(max_new_tokens=NEW, skip_max_budget=4, skip_min_budget=1, skip_warmup_layers=0)
+        out = skipdecode(m, prompts, cfg)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    policy = policy_from_config(cfg, big_l, width)
+    runs = policy.runs_layer(policy.response_budgets(out.steps, width))  # [L, steps]
+    expected = width + runs.sum(1)  # prompt slots at every layer, then the steps that ran the layer
+    assert m.cache.lengths == expected.tolist() == m.cache.writes  # never written where skipped
+    assert m.cache.lengths[0] < m.cache.lengths[-1]  # layer 0 really was skipped (warmup_layers=0)
+    decode_calls = [(i, length, slot) for i, length, slot in seen if slot >= width]
+    assert len(decode_calls) == int(runs.sum())
+    # Each layer that runs holds the keys/values of every earlier slot: nothing missing is ever read.
+    assert all(length == slot for _, length, slot in decode_calls)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-opt"])
+def test_full_budget_equals_autoregressive(name):
+    m = _lively(name)
+    prompts = _prompts(3, seed=7)
+    cfg = DecodeConfig(max_new_tokens=16, eos_token_id=m.config.eos_token_id)
+    full = replace_cfg(cfg, skip_max_budget=m.num_layers, skip_min_budget=m.num_layers)
+    ours, reference = skipdecode(m, prompts, full), DECODERS["autoregressive"](m, prompts, cfg)
+    assert ours.tokens == reference.tokens
+    assert (ours.layers_run, ours.layer_calls) == (reference.layers_run, reference.layer_calls)
+
+
+def replace_cfg(cfg: DecodeConfig, **changes) -> DecodeConfig:
+    from dataclasses import replace
+
+    return replace(cfg, **changes)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Quality report
+def test_rouge_l_and_lcs():
+    assert rouge_l([1, 2, 3, 4], [1, 2, 4]) == pytest.approx(2 * 0.75 * 1 / 1.75)
+    assert rouge_l([5, 6], [5, 6]) == 1.0 and rouge_l([1], [2]) == 0.0
+    assert rouge_l([], []) == 1.0 and rouge_l([], [1]) == 0.0
+    rng = random.Random(1)
+    for _ in range(50):  # against brute force over subsequences
+        a = [rng.randint(0, 3) for _ in range(rng.randint(0, 7))]
+        b = [rng.randint(0, 3) for _ in range(rng.randint(0, 7))]
+        brute = max(
+            (n for n in range(len(a) + 1) for sub in itertools.combinations(a, n) if _is_subsequence(sub, b)),
+            default=0,
+        )
+        assert lcs_length(a, b) == lcs_length(b, a) == brute
+
+
+def _is_subsequence(sub, seq) -> bool:
+    it = iter(seq)
+    return all(x in it for x in sub)
+
+
+def test_quality_report_full_budget_matches_and_skipping_costs_fewer_layers():
+    m = _lively("tiny-llama")
+    prompts = _prompts(4, seed=2)
+    examples = [
+        {"input_ids": p + c, "labels": [-100] * len(p) + c}
+        for p, c in zip(prompts, _prompts(4, seed=3), strict=True)
+    ]
+    assert split_examples(examples) == prompts
+    cfg = DecodeConfig(max_new_tokens=8)
+    same = skipdecode_quality(m, prompts, cfg, examples, batch_size=2)
+    assert same["rouge_l"] == same["exact_match"] == 1.0
+    assert same["perplexity"]["skipdecode"] == same["perplexity"]["full"]
+    skip = skipdecode_quality(m, prompts, replace_cfg(cfg, skip_max_budget=3, skip_min_budget=2), examples)
+    assert skip["layers_per_token"]["skipdecode"] < skip["layers_per_token"]["full"]
+    assert skip["perplexity"]["skipdecode"]["layers"] < skip["perplexity"]["full"]["layers"] == 4
+    assert skip["perplexity"]["skipdecode"]["perplexity"] != skip["perplexity"]["full"]["perplexity"]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Training module and recipe
+def test_module_at_full_depth_is_the_hf_loss_and_refuses_packed_rows(tiny_llama):
+    model = tiny_llama[0]
+    full = SkipDecodePolicy(num_layers=4, max_budget=4, min_budget=4, max_length=64)
+    ids = torch.randint(5, 261, (2, 10))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    assert response_starts(labels).tolist() == [4, 4]
+    with torch.no_grad():
+        ours = SkipDecodeLM(model, full)(input_ids=ids, labels=labels)["loss"]
+        assert ours.item() == pytest.approx(model(input_ids=ids, labels=labels).loss.item(), rel=1e-5)
+    with pytest.raises(ConfigError, match="data.packing=false"):
+        SkipDecodeLM(model, full)(input_ids=ids, labels=labels, attention_mask=torch.zeros(2, 1, 10, 10))
+    with pytest.raises(ConfigError, match="right-padded"):
+        left = torch.ones(2, 10, dtype=torch.long)
+        left[0, 0] = 0
+        SkipDecodeLM(model, full)(input_ids=ids, labels=labels, attention_mask=left)
+
+
+def _recipe_cfg(tmp_path, *extra: str):
+    data = write_chat_jsonl(tmp_path / "chat.jsonl")
+    overrides = [
+        "recipe=skipdecode",
+        "recipe.max_budget=3",
+        "recipe.min_budget=2",
+        "model=tiny-llama",
+        "data=jsonl",
+        f"data.path={data}",
+        "data.held_out=4",
+        "trainer.max_steps=2",
+        "trainer.save_steps=2",
+        "trainer.warmup_steps=0",
+        "trainer.learning_rate=1e-3",
+        f"output_dir={tmp_path / 'run'}",
+        *extra,
+    ]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def test_recipe_trains_exports_and_reloads(tmp_path):
+    summary = recipes.run(_recipe_cfg(tmp_path))
+    run = tmp_path / "run"
+    assert summary["export_check"]["abs_diff"] < 1e-4
+    assert (run / "checkpoint-2").is_dir()
+    options = json.loads((run / "final" / "skipdecode.json").read_text())
+    assert options["decoder"] == "skipdecode" and options["skip_max_length"] == 512  # data.max_length
+    held = summary["held_out"]
+    assert held["after"]["layers"] < 4 and held["after"]["perplexity"] < held["before"]["perplexity"]
+    reloaded = EarlyExitModel(AutoModelForCausalLM.from_pretrained(summary["checkpoint"]))
+    cfg = DecodeConfig(max_new_tokens=6, **{k: v for k, v in options.items() if k.startswith("skip_")})
+    assert len(skipdecode(reloaded, [[3, 50, 60]], cfg).tokens[0]) == 6
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("recipe.min_budget=4", r"recipe.min_budget=4 > recipe.max_budget=3"),
+        ("recipe.max_budget=5", r"recipe.max_budget=5 is outside \[2, 4\]"),
+        ("recipe.max_length=100", r"recipe.max_length=100 is shorter than data.max_length=512"),
+        ("data.packing=true", r"data.packing=false"),
+        ("+recipe.max_budgett=3", r"max_budgett"),
+    ],
+)
+def test_bad_recipe_config_fails_before_training(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        recipes.run(_recipe_cfg(tmp_path, override))
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+def test_quality_entry_point_writes_its_report(tmp_path):
+    from eval.skipdecode_quality import run
+
+    data = write_chat_jsonl(tmp_path / "chat.jsonl")
+    overrides = [
+        "model=tiny-llama",
+        "data=jsonl",
+        f"data.path={data}",
+        "data.held_out=4",
+        "skip.skip_max_budget=3",
+        "skip.skip_min_budget=2",
+        "skip.skip_warmup_layers=1",
+        "max_new_tokens=6",
+        f"output_dir={tmp_path / 'out'}",
+    ]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        report = run(compose(config_name="skipdecode_quality", overrides=overrides))
+    assert report["prompts"] == 4 and 0 <= report["rouge_l"] <= 1
+    assert report["layers_per_token"]["skipdecode"] < report["layers_per_token"]["full"]
+    assert (
+        json.loads((tmp_path / "out" / "skipdecode_quality.json").read_text())["options"]["skip_max_budget"]
+        == 3
+    )
