@@ -37,7 +37,7 @@ class ExitsJob:
 def run(cfg: Any) -> dict:
     """Measure the model (and its base, with a checkpoint) and write the report; returns it."""
     from fastdecode.data.chat import build_datasets
-    from fastdecode.exit_report import choose_exit, exit_report, plot_reports
+    from fastdecode.exit_report import choose_exit, exit_report, head_cost_in_blocks, plot_reports
     from fastdecode.io import atomic_write_json
     from fastdecode.loading import load_model
 
@@ -56,7 +56,9 @@ def run(cfg: Any) -> dict:
             model, tokenizer, held_out, prompts, job.max_new_tokens, job.held_out_examples
         )
         agreement = reports[label]["generations"]["agreement"]
-        reports[label]["recommended"] = choose_exit(agreement, model.config.num_hidden_layers, job.max_draft)
+        reports[label]["recommended"] = choose_exit(
+            agreement, model.config.num_hidden_layers, job.max_draft, head_cost=head_cost_in_blocks(model)
+        )
     out = Path(job.output_dir)
     atomic_write_json(out / "exits.json", reports)
     plot_reports(reports, str(out / "exits.png"))

@@ -122,22 +122,37 @@ def expected_tokens_per_step(alpha: float, draft: int) -> float:
     return (1 - alpha ** (draft + 1)) / (1 - alpha)
 
 
+def head_cost_in_blocks(model) -> float:
+    """The LM head's weights as a multiple of one decoder block's (SmolLM2-135M: ~8; Llama-2-7B: 0.65): an
+    early exit pays the whole head, so a shallow exit of a small-block model is not cheap."""
+    m = model if isinstance(model, EarlyExitModel) else EarlyExitModel(model)
+    head = m.step_cost(depth=0)
+    return head / max(1, (m.step_cost() - head) / m.num_layers)
+
+
 def choose_exit(
-    agreement: dict[int, float], num_layers: int, max_draft: int = 8, min_speedup: float = 1.05
+    agreement: dict[int, float],
+    num_layers: int,
+    max_draft: int = 8,
+    min_speedup: float = 1.05,
+    head_cost: float = 0.0,
 ) -> dict:
     """The exit E and draft length K with the best expected self-speculation speedup.
 
-    Cost model (units of one full forward): drafting K tokens costs ``K * E / L``; one verification costs
-    about one forward (memory-bound, all positions in parallel). Speedup = tokens per step / cost.
-    Returns ``exit: None`` when no exit is expected to gain ``min_speedup`` (speculating would not pay).
+    Cost model (units of one full forward, memory-bound decoding, ``h = head_cost`` in blocks): a drafted token
+    costs ``c = (E + h) / (L + h)``; one round (K drafts, the last draft's pass through layers < E, the
+    verification through layers >= E and the head) costs ``K * c + 1``. Speedup = tokens per round / cost.
+    Returns ``exit: None`` when no exit is expected to gain ``min_speedup`` (speculating would not pay), with
+    the best pair found (even a slowdown) as ``best_found``.
     """
-    best = {"exit": None, "draft": 0, "expected_speedup": 1.0}
+    best = {"exit": None, "draft": 0, "expected_speedup": 0.0}
     for exit_, alpha in agreement.items():
         exit_ = int(exit_)
         if exit_ >= num_layers:
             continue
+        cost = (exit_ + head_cost) / (num_layers + head_cost)
         for k in range(1, max_draft + 1):
-            speedup = expected_tokens_per_step(alpha, k) / (k * exit_ / num_layers + 1)
+            speedup = expected_tokens_per_step(alpha, k) / (k * cost + 1)
             if speedup > best["expected_speedup"]:
                 best = {"exit": exit_, "draft": k, "expected_speedup": speedup}
     if best["expected_speedup"] < min_speedup:

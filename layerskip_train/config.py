@@ -65,6 +65,10 @@ class ReportConfig:
     # Held-out set of the report: null = the training data's held-out split; a data config name (e.g.
     # sharegpt) when training on generated data, so perplexity is measured on real answers.
     data: str | None = None
+    # The closing speed line: self-speculation at the chosen (or best-found) exit vs autoregressive decoding on
+    # this many held-out prompts (0: no speed line).
+    speed_prompts: int = 4
+    speed_new_tokens: int = 32
 
 
 @dataclass

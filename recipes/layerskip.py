@@ -7,8 +7,10 @@ plain HF directory: ``AutoModelForCausalLM`` + ``generate(assistant_early_exit=E
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +18,12 @@ from fastdecode.cli import is_main_process, save_resolved_config
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
 from fastdecode.data.chat import build_datasets, collate
 from fastdecode.data.config import DataConfig
+from fastdecode.decoding import DecodeConfig, get_decoder
 from fastdecode.draft_vocab import DRAFT_VOCAB_FILE, draft_vocab_from_examples, save_draft_vocab
-from fastdecode.exit_report import choose_exit, exit_report, plot_reports
+from fastdecode.exit_report import choose_exit, exit_report, head_cost_in_blocks, plot_reports
 from fastdecode.io import atomic_write_json
 from fastdecode.loading import load_model
+from fastdecode.model import EarlyExitModel
 from layerskip_train.config import LayerSkipConfig
 from layerskip_train.early_exit_loss import scale_weights
 from layerskip_train.layer_dropout import dropout_rates, parse_layers
@@ -120,6 +124,48 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
     return summary
 
 
+def _best_found(choice: dict) -> int | None:
+    return (choice.get("best_found") or {}).get("exit")
+
+
+def _speed_line(
+    final, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, exit_layer: int | None
+) -> dict:
+    """Time self-speculation (adaptive policy) at ``exit_layer`` against autoregressive decoding on a few
+    held-out prompts, print one line, return the numbers (empty when there is no exit or no prompt)."""
+    r = rcfg.report
+    prompts = [ex["prompt"] for ex in held_out if ex.get("prompt")][: r.speed_prompts]
+    if exit_layer is None or not prompts:
+        return {}
+    ids = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        for p in prompts
+    ]
+    ids = [list(x["input_ids"] if hasattr(x, "keys") else x) for x in ids]
+    m = EarlyExitModel(final)
+    base = DecodeConfig(max_new_tokens=r.speed_new_tokens, eos_token_id=tokenizer.eos_token_id)
+    spec = dataclasses.replace(base, exit_layer=exit_layer, policy="adaptive", draft_tokens=r.max_draft)
+    result = {}
+    for name, cfg in (("autoregressive", base), ("self_speculative", spec)):
+        get_decoder(name)(m, ids[:1], dataclasses.replace(cfg, max_new_tokens=2))  # warm-up
+        start = time.perf_counter()
+        outs = [get_decoder(name)(m, [p], cfg) for p in ids]
+        seconds = time.perf_counter() - start
+        tokens = sum(o.num_tokens for o in outs)
+        result[name] = {"tokens_per_s": tokens / seconds, "tokens": tokens}
+    accepted = sum(sum(o.accepted) for o in outs) / max(1, sum(sum(o.drafted) for o in outs))
+    result |= {"exit": exit_layer, "acceptance": accepted}
+    result["speedup"] = result["self_speculative"]["tokens_per_s"] / result["autoregressive"]["tokens_per_s"]
+    line = (
+        f"self-speculation at E={exit_layer}: {result['self_speculative']['tokens_per_s']:.1f} tok/s vs "
+        f"autoregressive {result['autoregressive']['tokens_per_s']:.1f} tok/s ({result['speedup']:.2f}x, "
+        f"acceptance {accepted:.2f}; {len(ids)} held-out prompts, greedy, batch 1)"
+    )
+    log.info(line)
+    print(line)
+    return result
+
+
 def _write_draft_vocab(train: list[dict], tokenizer, rcfg: LayerSkipConfig, final_dir: Path) -> str | None:
     """``draft_vocab.json`` next to the checkpoint (``decoder.draft_vocab=<it>`` makes drafting cheaper)."""
     size, vocab = rcfg.draft_vocab_size, len(tokenizer)
@@ -152,7 +198,8 @@ def _finish(final, tokenizer, held_out, rcfg: LayerSkipConfig, before: dict | No
     if rcfg.exit_layer is not None:
         choice = {"exit": rcfg.exit_layer, "source": "config"}
     elif after is not None:
-        choice = choose_exit(after["generations"]["agreement"], num_layers, rcfg.report.max_draft)
+        agreement, head = after["generations"]["agreement"], head_cost_in_blocks(final)
+        choice = choose_exit(agreement, num_layers, rcfg.report.max_draft, head_cost=head)
         choice["source"] = "exit report"
     else:
         choice = {"exit": None, "source": "no report"}
@@ -163,6 +210,7 @@ def _finish(final, tokenizer, held_out, rcfg: LayerSkipConfig, before: dict | No
     else:
         log.warning("no exit is expected to speed decoding up yet (%s); assistant_early_exit not set", choice)
     report = {"before": before, "after": after, "recommended": choice}
+    report["speed"] = _speed_line(final, tokenizer, held_out, rcfg, choice.get("exit") or _best_found(choice))
     atomic_write_json(out / "exit_report.json", report)
     if before and after:
         plot_reports({"before": before, "after": after}, str(out / "exit_report.png"))

@@ -9,7 +9,13 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from fastdecode.config import CONFIG_DIR
-from fastdecode.exit_report import choose_exit, expected_tokens_per_step, generation_report, score_sequence
+from fastdecode.exit_report import (
+    choose_exit,
+    expected_tokens_per_step,
+    generation_report,
+    head_cost_in_blocks,
+    score_sequence,
+)
 from fastdecode.model import EarlyExitModel
 from tests.test_layerskip_recipe import write_chat_jsonl
 
@@ -45,6 +51,18 @@ def test_expected_speedup_and_exit_choice():
     assert choose_exit({4: 0.95, 24: 0.5, 32: 1.0}, 32)["exit"] == 4
     assert choose_exit({4: 0.0, 16: 0.0}, 32)["exit"] is None
     assert choose_exit({1: 0.04}, 30)["exit"] is None  # a 0.3% expected gain is noise, not a recommendation
+    # The exit pays the whole LM head: with a head as costly as 30 blocks, a shallow exit no longer pays.
+    assert choose_exit({4: 0.6}, 32)["exit"] == 4
+    costly = choose_exit({4: 0.6}, 32, head_cost=30.0)
+    assert costly["exit"] is None and costly["best_found"]["exit"] == 4
+    assert costly["best_found"]["expected_speedup"] < 1.05
+
+
+def test_head_cost_counts_head_weights_in_blocks(tiny_llama):
+    model, _ = tiny_llama
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    head = model.lm_head.weight.numel()
+    assert head_cost_in_blocks(model) == pytest.approx(head / block)
 
 
 def test_eval_exits_entry_point_writes_json_and_plot(tmp_path):

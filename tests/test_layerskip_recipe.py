@@ -62,6 +62,9 @@ def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
     report = json.loads((run / "exit_report.json").read_text())
     assert set(report["before"]["generations"]["agreement"]) == {str(i) for i in range(1, 5)}
     assert (run / "exit_report.png").is_file()
+    speed = report["speed"]  # the closing speed line: self-speculation at E=2 vs autoregressive
+    assert speed["exit"] == 2 and 0 <= speed["acceptance"] <= 1 and speed["speedup"] > 0
+    assert speed["self_speculative"]["tokens"] == speed["autoregressive"]["tokens"] > 0
     logs = _history(run, 4)
     assert len(logs) == 4 and all("loss/exit_4" in h for h in logs)  # the last exit is always on
     rotated = [sorted(k for k in h if k.startswith("loss/exit_")) for h in logs]
@@ -84,7 +87,7 @@ def test_the_exit_choice_from_the_report_goes_into_generation_config(tmp_path, m
     import recipes.layerskip as recipe
 
     fake = {"exit": 3, "draft": 2, "expected_speedup": 1.4} if useful else {"exit": None, "draft": 0}
-    monkeypatch.setattr(recipe, "choose_exit", lambda agreement, layers, k: dict(fake))
+    monkeypatch.setattr(recipe, "choose_exit", lambda agreement, layers, k, **kw: dict(fake))
     summary = recipes.run(layerskip_cfg(tmp_path))
     saved = GenerationConfig.from_pretrained(summary["checkpoint"]).assistant_early_exit
     assert saved == fake["exit"] == summary["recommended_exit"]["exit"]  # None: not written at all
