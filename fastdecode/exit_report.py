@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from fastdecode.data.chat import user_prompt_ids
 from fastdecode.model import EarlyExitModel
 
 IGNORE_INDEX = -100
@@ -88,10 +89,7 @@ def greedy_generations(model, tokenizer, prompts: list[str], max_new_tokens: int
     """``(token ids, prompt length)`` of the model's greedy continuation of each chat prompt."""
     out = []
     for prompt in prompts:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
+        ids = torch.tensor([user_prompt_ids(tokenizer, prompt)], device=model.device)
         gen = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),

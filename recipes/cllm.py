@@ -24,7 +24,7 @@ from cllm_train.records import model_identity
 from cllm_train.trainer import CLLMTrainer
 from fastdecode.cli import is_main_process, save_resolved_config
 from fastdecode.config import to_dataclass
-from fastdecode.data.chat import build_datasets
+from fastdecode.data.chat import build_datasets, user_prompt_ids
 from fastdecode.decoding import DecodeConfig, get_decoder
 from fastdecode.io import atomic_write_json
 from fastdecode.loading import load_model, load_tokenizer, resolve_device
@@ -88,10 +88,7 @@ def measure(model, tokenizer, held_out: list[dict], rcfg: CLLMConfig, block: int
     tokens = forwards = 0
     fast_forward: list[int] = []
     for ex in [ex for ex in held_out if ex.get("prompt")][: r.prompts]:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": ex["prompt"]}], tokenize=False, add_generation_prompt=True
-        )
-        out = get_decoder("jacobi")(m, [tokenizer(text, add_special_tokens=False).input_ids], cfg)
+        out = get_decoder("jacobi")(m, [user_prompt_ids(tokenizer, ex["prompt"])], cfg)
         tokens, forwards = tokens + out.num_tokens, forwards + out.steps
         fast_forward += out.fast_forward
     return {

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastdecode.cli import is_main_process, save_resolved_config
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
-from fastdecode.data.chat import build_datasets, collate
+from fastdecode.data.chat import build_datasets, collate, user_prompt_ids
 from fastdecode.data.config import DataConfig
 from fastdecode.decoding import DecodeConfig, get_decoder
 from fastdecode.draft_vocab import DRAFT_VOCAB_FILE, draft_vocab_from_examples, save_draft_vocab
@@ -137,11 +137,7 @@ def _speed_line(
     prompts = [ex["prompt"] for ex in held_out if ex.get("prompt")][: r.speed_prompts]
     if exit_layer is None or not prompts:
         return {}
-    ids = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-        for p in prompts
-    ]
-    ids = [list(x["input_ids"] if hasattr(x, "keys") else x) for x in ids]
+    ids = [user_prompt_ids(tokenizer, p) for p in prompts]
     m = EarlyExitModel(final)
     base = DecodeConfig(max_new_tokens=r.speed_new_tokens, eos_token_id=tokenizer.eos_token_id)
     spec = dataclasses.replace(base, exit_layer=exit_layer, policy="adaptive", draft_tokens=r.max_draft)

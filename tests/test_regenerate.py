@@ -8,6 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from fastdecode.config import CONFIG_DIR, ConfigError, load_group
+from fastdecode.data.chat import user_prompt_ids
 from fastdecode.data.config import DataConfig
 from fastdecode.data.regenerate import run
 from fastdecode.data.sources import read_records, split_records
@@ -42,8 +43,11 @@ def test_answers_are_the_models_greedy_output_and_a_rerun_resumes(tmp_path):
     assert more["new"] == 3 and lines_after[:4] == lines  # earlier answers are kept, not redone
     model, tok = _tiny("tiny-llama")
     rec = json.loads(lines_after[5])
-    ids = tok.apply_chat_template([{"role": "user", "content": rec["prompt"]}], add_generation_prompt=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ids = user_prompt_ids(tok, rec["prompt"])
+    templated = tok.apply_chat_template(
+        [{"role": "user", "content": rec["prompt"]}], add_generation_prompt=True
+    )
+    assert ids == list(templated["input_ids"] if hasattr(templated, "keys") else templated)
     alone = get_decoder("autoregressive")(
         EarlyExitModel(model), [ids], DecodeConfig(max_new_tokens=6, eos_token_id=tok.eos_token_id)
     )

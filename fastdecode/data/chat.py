@@ -39,6 +39,13 @@ def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool = Fals
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
+def user_prompt_ids(tokenizer: Any, user: str) -> list[int]:
+    """Token ids of a one-turn chat (``user`` says ``user``) ending with the assistant's generation prompt:
+    what the model continues when asked ``user`` (the template already holds any special tokens)."""
+    text = _render(tokenizer, [{"role": "user", "content": user}], generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
 def assistant_spans(
     tokenizer: Any, messages: list[dict], text: str | None = None, until: int | None = None
 ) -> list[tuple[int, int]]:

@@ -25,6 +25,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, to_dataclass
+from fastdecode.data.chat import user_prompt_ids
 from fastdecode.data.config import DataConfig, check_trainable
 from fastdecode.io import atomic_write_text
 
@@ -52,10 +53,7 @@ def _prompts(job: RegenerateJob, tokenizer: Any) -> list[tuple[str, list[int]]]:
         user = next((t["content"] for t in rec["messages"] if t["role"] == "user"), "")
         if not user.strip():
             continue
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": user}], tokenize=True, add_generation_prompt=True
-        )
-        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        ids = user_prompt_ids(tokenizer, user)
         if len(ids) <= job.max_prompt_tokens:
             out.append((user, ids))
         if len(out) == job.num_prompts:

@@ -44,9 +44,7 @@ def generate(
     while True:
         probs = None if cfg.greedy else probabilities(logits, cfg)
         tokens = choose(logits, probs, cfg, generator)  # [B]
-        for row, token in enumerate(tokens.tolist()):  # the one host sync per token: EOS decides the loop
-            if not rows.finished[row]:
-                rows.emit(row, [token])
+        rows.emit_tokens(tokens)  # the one host sync per token: EOS decides the loop
         if not rows.active:
             return out
         active = rows.active_mask(m.device)  # [B] bool

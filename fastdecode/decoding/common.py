@@ -283,6 +283,13 @@ class Rows:
             self.finished[row] = True
         return len(out) - before
 
+    def emit_tokens(self, tokens: torch.Tensor) -> None:
+        """One new token per row from ``tokens [B]`` (ignored for finished rows). Copies them to the host:
+        the one sync per step that one-token-per-step decoders need, since EOS decides the loop."""
+        for row, token in enumerate(tokens.tolist()):
+            if not self.finished[row]:
+                self.emit(row, [token])
+
     @property
     def active(self) -> list[int]:
         return [row for row, done in enumerate(self.finished) if not done]

@@ -61,8 +61,7 @@ def generate(
     rows = Rows(len(prompts), cfg)
     out = DecodeOutput(tokens=rows.tokens)
     last = choose(state.logits, None, cfg, generator)  # the first new token comes from the full prefill
-    for row, token in enumerate(last.tolist()):
-        rows.emit(row, [token])
+    rows.emit_tokens(last)
     while rows.active:
         live = rows.active
         active = rows.active_mask(m.device)
