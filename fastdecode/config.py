@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.resources
 import types
 import typing
 from collections.abc import Mapping
@@ -197,7 +198,8 @@ class ModelConfig:
 # --------------------------------------------------------------------------------------------------------------
 # Config groups read outside Hydra (tests, notebooks): ``load_group("model", "tiny-llama", ModelConfig)``.
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+# The shipped configs are package data (``fastdecode/configs``), so an installed wheel finds them from any folder.
+CONFIG_DIR = Path(str(importlib.resources.files("fastdecode") / "configs"))
 
 
 def group_choices(group: str) -> list[str]:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -44,3 +47,17 @@ def atomic_write_text(dest: str | os.PathLike, text: str) -> Path:
 def atomic_write_json(dest: str | os.PathLike, obj: Any) -> Path:
     """Write ``obj`` as indented JSON atomically."""
     return atomic_write_text(dest, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def save_resolved_config(cfg: Any, output_dir: str | Path, name: str = "config.yaml") -> Path | None:
+    """Write the fully resolved config next to the outputs (rank 0 only, atomically)."""
+    from fastdecode.distributed import is_main_process
+
+    if not is_main_process():
+        return None
+    from omegaconf import OmegaConf
+
+    path = Path(output_dir) / name
+    atomic_write_text(path, OmegaConf.to_yaml(cfg, resolve=True))
+    log.info("resolved config saved to %s", path)
+    return path

@@ -9,10 +9,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING = {"layerskip_train", "cllm_train", "skipdecode_train"}
+ENTRY = {"fastdecode_cli", "eval"}
 FORBIDDEN = {
-    "fastdecode": TRAINING | {"recipes"},
-    **{package: (TRAINING - {package}) | {"recipes"} for package in TRAINING},  # own package only
-    "recipes": set(),
+    "fastdecode": TRAINING | {"fastdecode_recipes"} | ENTRY,
+    **{package: (TRAINING - {package}) | {"fastdecode_recipes"} | ENTRY for package in TRAINING},  # own only
+    "fastdecode_recipes": ENTRY,
 }
 
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 
-from fastdecode.cli import strip_launcher_args
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, group_choices, load_group
-from recipes.common import load_job, training_arguments
+from fastdecode_cli.launch import strip_launcher_args
+from fastdecode_recipes.common import load_job, training_arguments
 
 GROUPS = ["recipe", "model", "data", "trainer", "deepspeed", "experiment"]
 
@@ -73,10 +74,10 @@ def test_unknown_group_option_lists_choices():
 
 
 def test_unknown_recipe_name_lists_choices():
-    import recipes
+    import fastdecode_recipes
 
     with pytest.raises(ConfigError, match=r"Unknown recipe 'nope'.*Choices: .*sft"):
-        recipes.run(_compose("recipe.name=nope", "model=tiny-llama"))
+        fastdecode_recipes.run(_compose("recipe.name=nope", "model=tiny-llama"))
 
 
 def test_deepspeed_launcher_argument_is_stripped(monkeypatch):
@@ -109,7 +110,7 @@ def test_cli_help_and_cfg_job(flag):
 
     out = subprocess.run(
         [sys.executable, "train.py", *flag.split(), "model=tiny-llama"],
-        cwd=CONFIG_DIR.parent,
+        cwd=Path(__file__).resolve().parents[1],
         capture_output=True,
         text=True,
         timeout=120,

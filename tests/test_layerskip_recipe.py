@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-import recipes
+import fastdecode_recipes
 from fastdecode.config import CONFIG_DIR, ConfigError
 
 
@@ -50,7 +50,7 @@ def _history(run: Path, step: int) -> list[dict]:
 
 
 def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
-    summary = recipes.run(layerskip_cfg(tmp_path, "recipe.exit_layer=2", "recipe.draft_vocab_size=8"))
+    summary = fastdecode_recipes.run(layerskip_cfg(tmp_path, "recipe.exit_layer=2", "recipe.draft_vocab_size=8"))
     run = tmp_path / "run"
     vocab = json.loads(Path(summary["draft_vocab"]).read_text())  # the most frequent trained-on tokens
     assert Path(summary["draft_vocab"]).parent == Path(summary["checkpoint"]) and vocab["size"] == 8
@@ -84,11 +84,11 @@ def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("useful", [True, False])
 def test_the_exit_choice_from_the_report_goes_into_generation_config(tmp_path, monkeypatch, useful):
-    import recipes.layerskip as recipe
+    import fastdecode_recipes.layerskip as recipe
 
     fake = {"exit": 3, "draft": 2, "expected_speedup": 1.4} if useful else {"exit": None, "draft": 0}
     monkeypatch.setattr(recipe, "choose_exit", lambda agreement, layers, k, **kw: dict(fake))
-    summary = recipes.run(layerskip_cfg(tmp_path))
+    summary = fastdecode_recipes.run(layerskip_cfg(tmp_path))
     saved = GenerationConfig.from_pretrained(summary["checkpoint"]).assistant_early_exit
     assert saved == fake["exit"] == summary["recommended_exit"]["exit"]  # None: not written at all
 
@@ -97,7 +97,7 @@ def test_resume_repeats_the_same_losses(tmp_path, monkeypatch):
     """N steps straight == N/2, crash, resume, N/2: same drops, same curriculum, same data order."""
     straight = tmp_path / "straight"
     straight.mkdir()
-    recipes.run(layerskip_cfg(straight, "recipe.report.enabled=false"))
+    fastdecode_recipes.run(layerskip_cfg(straight, "recipe.report.enabled=false"))
     expected = [round(h["loss"], 5) for h in _history(straight / "run", 4)]
 
     from layerskip_train.trainer import LayerSkipTrainer
@@ -113,15 +113,15 @@ def test_resume_repeats_the_same_losses(tmp_path, monkeypatch):
 
     monkeypatch.setattr(LayerSkipTrainer, "training_step", crash_after_checkpoint)
     with pytest.raises(KeyboardInterrupt):
-        recipes.run(layerskip_cfg(crashed, "recipe.report.enabled=false"))
+        fastdecode_recipes.run(layerskip_cfg(crashed, "recipe.report.enabled=false"))
     monkeypatch.setattr(LayerSkipTrainer, "training_step", original)
-    recipes.run(layerskip_cfg(crashed, "recipe.report.enabled=false", "resume_from_checkpoint=auto"))
+    fastdecode_recipes.run(layerskip_cfg(crashed, "recipe.report.enabled=false", "resume_from_checkpoint=auto"))
     resumed = [round(h["loss"], 5) for h in _history(crashed / "run", 4)]
     assert resumed == expected
 
 
 def test_lora_adapters_train_merge_and_reload(tmp_path):
-    summary = recipes.run(layerskip_cfg(tmp_path, "peft=lora", "peft.r=4", "trainer.learning_rate=1e-2"))
+    summary = fastdecode_recipes.run(layerskip_cfg(tmp_path, "peft=lora", "peft.r=4", "trainer.learning_rate=1e-2"))
     assert summary["export_check"]["abs_diff"] < 1e-4  # merged weights reproduce the live LoRA model
     merged = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
     assert not any("lora" in name for name, _ in merged.named_parameters())
@@ -152,7 +152,7 @@ def test_lora_adapters_train_merge_and_reload(tmp_path):
 )
 def test_bad_recipe_config_fails_before_training(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
-        recipes.run(layerskip_cfg(tmp_path, override))
+        fastdecode_recipes.run(layerskip_cfg(tmp_path, override))
     assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 
@@ -163,7 +163,7 @@ def test_deepspeed_batch_arithmetic_is_checked_before_loading(tmp_path, monkeypa
     with pytest.raises(
         ConfigError, match=r"train_batch_size=999 but micro batch 4 x gradient accumulation 1"
     ):
-        recipes.run(layerskip_cfg(tmp_path, f"deepspeed.config_file={bad}"))
+        fastdecode_recipes.run(layerskip_cfg(tmp_path, f"deepspeed.config_file={bad}"))
 
 
 def test_activation_checkpointing_gives_the_same_losses(tmp_path):
@@ -171,8 +171,8 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path):
     ckpt = tmp_path / "ckpt"
     plain.mkdir()
     ckpt.mkdir()
-    recipes.run(layerskip_cfg(plain, "recipe.report.enabled=false"))
-    recipes.run(layerskip_cfg(ckpt, "recipe.report.enabled=false", "+trainer.activation_checkpointing=true"))
+    fastdecode_recipes.run(layerskip_cfg(plain, "recipe.report.enabled=false"))
+    fastdecode_recipes.run(layerskip_cfg(ckpt, "recipe.report.enabled=false", "+trainer.activation_checkpointing=true"))
     losses = [[round(h["loss"], 4) for h in _history(p / "run", 4)] for p in (plain, ckpt)]
     assert losses[0] == losses[1]
 
@@ -182,7 +182,7 @@ def test_wandb_without_credentials_logs_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    summary = recipes.run(layerskip_cfg(tmp_path, "recipe.report.enabled=false", "trainer.report_to=wandb"))
+    summary = fastdecode_recipes.run(layerskip_cfg(tmp_path, "recipe.report.enabled=false", "trainer.report_to=wandb"))
     import os
 
     assert os.environ["WANDB_MODE"] == "offline"

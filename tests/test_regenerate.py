@@ -10,10 +10,10 @@ from hydra import compose, initialize_config_dir
 from fastdecode.config import CONFIG_DIR, ConfigError, load_group
 from fastdecode.data.chat import user_prompt_ids
 from fastdecode.data.config import DataConfig
-from fastdecode.data.regenerate import run
 from fastdecode.data.sources import read_records, split_records
 from fastdecode.decoding import DecodeConfig, get_decoder
 from fastdecode.model import EarlyExitModel
+from fastdecode_cli.regenerate import run
 from tests.conftest import _tiny
 from tests.test_layerskip_recipe import write_chat_jsonl
 

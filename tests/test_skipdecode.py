@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM
 
-import recipes
+import fastdecode_recipes
 from fastdecode.config import CONFIG_DIR, ConfigError
 from fastdecode.decoding import DECODERS, DecodeConfig
 from fastdecode.decoding.common import prefill
@@ -285,7 +285,7 @@ def _recipe_cfg(tmp_path, *extra: str):
 
 
 def test_recipe_trains_exports_and_reloads(tmp_path):
-    summary = recipes.run(_recipe_cfg(tmp_path))
+    summary = fastdecode_recipes.run(_recipe_cfg(tmp_path))
     run = tmp_path / "run"
     assert summary["export_check"]["abs_diff"] < 1e-4
     assert (run / "checkpoint-2").is_dir()
@@ -310,7 +310,7 @@ def test_recipe_trains_exports_and_reloads(tmp_path):
 )
 def test_bad_recipe_config_fails_before_training(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
-        recipes.run(_recipe_cfg(tmp_path, override))
+        fastdecode_recipes.run(_recipe_cfg(tmp_path, override))
     assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 

@@ -1,6 +1,6 @@
 """Regenerate a dataset's answers with the model itself (self-distillation data).
 
-``python -m fastdecode.data.regenerate [model=smollm2-135m] [data=sharegpt] [num_prompts=256]``
+``python -m fastdecode_cli.regenerate [model=smollm2-135m] [data=sharegpt] [num_prompts=256]``
 
 Why: draft acceptance in self-speculation is agreement between an early exit and the final layer *on the
 model's own outputs*. Training the exits on text the model itself would write (instead of ChatGPT answers

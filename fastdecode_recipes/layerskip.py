@@ -14,22 +14,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastdecode.cli import is_main_process, save_resolved_config
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
 from fastdecode.data.chat import build_datasets, collate, user_prompt_ids
 from fastdecode.data.config import DataConfig
 from fastdecode.decoding import DecodeConfig, get_decoder
+from fastdecode.distributed import is_main_process
 from fastdecode.draft_vocab import DRAFT_VOCAB_FILE, draft_vocab_from_examples, save_draft_vocab
 from fastdecode.exit_report import choose_exit, exit_report, head_cost_in_blocks, plot_reports
-from fastdecode.io import atomic_write_json
+from fastdecode.io import atomic_write_json, save_resolved_config
 from fastdecode.loading import load_model
 from fastdecode.model import EarlyExitModel
-from layerskip_train.config import LayerSkipConfig
-from layerskip_train.early_exit_loss import scale_weights
-from layerskip_train.layer_dropout import dropout_rates, parse_layers
-from layerskip_train.module import EarlyExitLM
-from layerskip_train.trainer import LayerSkipTrainer
-from recipes.common import (
+from fastdecode_recipes.common import (
     TrainJob,
     apply_peft,
     check_deepspeed_batch,
@@ -40,6 +35,11 @@ from recipes.common import (
     training_arguments,
     world_size,
 )
+from layerskip_train.config import LayerSkipConfig
+from layerskip_train.early_exit_loss import scale_weights
+from layerskip_train.layer_dropout import dropout_rates, parse_layers
+from layerskip_train.module import EarlyExitLM
+from layerskip_train.trainer import LayerSkipTrainer
 
 log = logging.getLogger(__name__)
 

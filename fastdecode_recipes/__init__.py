@@ -10,17 +10,17 @@ import importlib
 from typing import Any
 
 RECIPES: dict[str, str] = {
-    "sft": "recipes.sft",
-    "layerskip": "recipes.layerskip",
-    "skipdecode": "recipes.skipdecode",
-    "cllm": "recipes.cllm",
+    "sft": "fastdecode_recipes.sft",
+    "layerskip": "fastdecode_recipes.layerskip",
+    "skipdecode": "fastdecode_recipes.skipdecode",
+    "cllm": "fastdecode_recipes.cllm",
 }
 
 
 def run(cfg: Any) -> dict:
     """Run the recipe named by ``cfg.recipe.name`` (the plain function behind ``python train.py``)."""
     from fastdecode.config import unknown_name_error
-    from recipes.common import load_job
+    from fastdecode_recipes.common import load_job
 
     job = load_job(cfg)
     name = job.recipe["name"]

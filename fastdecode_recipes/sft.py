@@ -11,10 +11,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from fastdecode.cli import is_main_process, save_resolved_config
 from fastdecode.data.chat import build_datasets, collate
+from fastdecode.distributed import is_main_process
+from fastdecode.io import save_resolved_config
 from fastdecode.loading import load_model
-from recipes.common import TrainJob, resolve_resume, training_arguments
+from fastdecode_recipes.common import TrainJob, resolve_resume, training_arguments
 
 log = logging.getLogger(__name__)
 

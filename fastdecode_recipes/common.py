@@ -205,7 +205,7 @@ def export_checkpoint(trainer, hf_model, tokenizer, peft: PeftConfig, out_dir: s
     None elsewhere.
     """
     state = full_state_dict(trainer.accelerator.unwrap_model(trainer.model_wrapped))
-    from fastdecode.cli import is_main_process
+    from fastdecode.distributed import is_main_process
 
     if not is_main_process():
         return None

@@ -13,15 +13,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from fastdecode.cli import is_main_process, save_resolved_config
 from fastdecode.config import ConfigError, to_dataclass
 from fastdecode.data.chat import build_datasets, collate
-from fastdecode.io import atomic_write_json
+from fastdecode.distributed import is_main_process
+from fastdecode.io import atomic_write_json, save_resolved_config
 from fastdecode.loading import load_model
 from fastdecode.model import EarlyExitModel
 from fastdecode.skipdecode import SkipDecodePolicy
 from fastdecode.skipdecode_report import policy_perplexity
-from recipes.common import (
+from fastdecode_recipes.common import (
     TrainJob,
     apply_peft,
     check_deepspeed_batch,

@@ -22,14 +22,14 @@ from cllm_train.dataset import build_examples, collate, load_trajectories
 from cllm_train.module import ConsistencyLM
 from cllm_train.records import model_identity
 from cllm_train.trainer import CLLMTrainer
-from fastdecode.cli import is_main_process, save_resolved_config
 from fastdecode.config import to_dataclass
 from fastdecode.data.chat import build_datasets, user_prompt_ids
 from fastdecode.decoding import DecodeConfig, get_decoder
-from fastdecode.io import atomic_write_json
+from fastdecode.distributed import is_main_process
+from fastdecode.io import atomic_write_json, save_resolved_config
 from fastdecode.loading import load_model, load_tokenizer, resolve_device
 from fastdecode.model import EarlyExitModel
-from recipes.common import (
+from fastdecode_recipes.common import (
     TrainJob,
     apply_peft,
     check_deepspeed_batch,
