@@ -1,0 +1,85 @@
+"""``CLLMTrainer``: the HF Trainer with the CLLM loss.
+
+Overrides ``get_batch_samples`` (draw the student states of the whole accumulated batch and count its
+consistency positions), ``compute_loss`` (pass that count) and ``log`` (per-loss metrics) only.
+
+Normalisation under gradient accumulation: every token-level loss is a sum divided by the token count of the
+*whole accumulated batch* (summed over ranks when ``average_tokens_across_devices``, as the Trainer does for
+``num_items_in_batch``), so 4 micro-batches of 2 give the gradient of one batch of 8. The AR count is the
+Trainer's own ``num_items_in_batch`` (label tokens); the consistency count (positions ``K``) depends on the
+drawn states, which is why the draws happen here, before any micro-batch runs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from transformers import Trainer
+
+from cllm_train.dataset import draw_states, row_uniforms
+
+METRICS = {  # module output -> logged name
+    "loss_consistency": "loss/consistency",
+    "loss_ar": "loss/ar",
+    "loss_global": "loss/global",  # with consistency_loss=both
+    "loss_local": "loss/local",
+}
+
+
+def consistency_count(batch: dict) -> torch.Tensor:
+    """Positions ``K`` scored in a batch with ``picks``: ``sum_b (n_b - m_b)`` over rows with a state."""
+    rows = torch.arange(len(batch["picks"]), device=batch["picks"].device)
+    m = batch["first_mismatch"][rows, batch["picks"].clamp(min=0)]
+    return torch.where(batch["picks"] >= 0, batch["block_len"] - m, 0).sum()
+
+
+class CLLMTrainer(Trainer):
+    """Trains a ``ConsistencyLM``; logs ``loss/consistency`` and ``loss/ar`` (per-token means).
+
+    Args:
+        draw_base: seed of the state draws; row ``j`` of the accumulated batch of optimiser step ``s`` on rank
+            ``r`` draws from ``(draw_base, s, r, j)``, so a resumed run draws the same states, and so does the
+            same batch split into more micro-batches.
+    """
+
+    def __init__(self, *args, draw_base: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.draw_base = draw_base
+        self._consistency_items: torch.Tensor | None = None
+        self._sums: dict[str, float] = defaultdict(float)
+        self._counts: dict[str, int] = defaultdict(int)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        step, rank = self.state.global_step, self.args.process_index
+        first = 0
+        for batch in batches:
+            rows = range(first, first + len(batch["block_len"]))  # rows of the accumulated batch
+            uniforms = row_uniforms(self.draw_base, step, rank, rows)
+            batch["picks"] = draw_states(batch["first_mismatch"], batch["block_len"], uniforms)
+            first = rows.stop
+        count = sum((consistency_count(b) for b in batches), torch.zeros((), dtype=torch.long)).to(device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            count = self.accelerator.gather(count).sum()  # as the Trainer does for num_items_in_batch
+        self._consistency_items = count
+        return batches, num_items
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training and "picks" in inputs:
+            inputs = {**inputs, "consistency_items": self._consistency_items}
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        if model.training:
+            for key, name in METRICS.items():
+                if key in outputs:
+                    self._sums[name] += float(outputs[key])
+                    self._counts[name] += 1
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._counts:  # a training log: the per-loss means since the last one
+            for name, total in self._sums.items():
+                logs[name] = round(total / self._counts[name], 4)
+            self._sums.clear()
+            self._counts.clear()
+        super().log(logs, start_time)

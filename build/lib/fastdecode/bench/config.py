@@ -1,0 +1,265 @@
+"""The speed benchmark's typed config (``configs/speed.yaml``) and its checks, done before any model loads.
+
+A *method* is one entry of the ``decoder`` group (``configs/decoder/<name>.yaml``, several selected at once:
+``decoder=[autoregressive,self_speculative,hf_generate]``). Each file holds one mapping keyed by its own name:
+
+- ``engine: fastdecode``: ``decoder`` names a strategy in ``fastdecode.decoding.DECODERS``; ``options`` are
+  ``DecodeConfig`` fields (converted with ``to_dataclass``, so new fields flow through and typos fail);
+- ``engine: hf``: Hugging Face ``model.generate``; ``options`` are ``GenerationConfig`` fields
+  (``num_assistant_tokens``, ``assistant_confidence_threshold``, ...).
+
+``uses_exit_layer`` injects the job's exit layer E (``decoder.exit_layer`` for ours, ``assistant_early_exit`` for
+HF) unless ``options`` fixes one; ``uses_draft`` passes the draft model (``draft=`` / ``assistant_model=``);
+``max_batch_size`` skips larger batches with a recorded reason (HF assisted generation is batch-1 only), and
+``sampling: false`` skips temperatures > 0 (greedy-only methods such as Jacobi decoding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastdecode.config import (
+    ConfigError,
+    ModelConfig,
+    group_choices,
+    load_group,
+    to_dataclass,
+    unknown_name_error,
+)
+from fastdecode.data.config import DataConfig
+
+ENGINES = ("fastdecode", "hf")
+MODES = ("compare", "sweep")
+GRID_KEYS_HF = ("assistant_early_exit", "num_assistant_tokens")
+JOB_OWNED = ("max_new_tokens", "temperature", "top_k", "top_p", "eos_token_id", "seed")
+HF_OWNED = ("do_sample", "num_beams", "pad_token_id", "min_new_tokens", "max_length")
+
+
+@dataclass
+class MethodConfig:
+    """One ``configs/decoder/<name>.yaml`` entry (see the module docstring)."""
+
+    engine: str = "fastdecode"
+    decoder: str | None = None
+    uses_exit_layer: bool = False
+    uses_draft: bool = False
+    max_batch_size: int | None = None
+    sampling: bool = True  # false: greedy only (e.g. jacobi); skipped at temperature > 0 with the reason
+    options: dict = field(default_factory=dict)
+    description: str = ""
+
+
+@dataclass
+class SweepConfig:
+    """``mode=sweep``: ``method`` run at every exit layer x draft length (constant K is the natural grid)."""
+
+    method: str = "self_speculative"
+    exit_layers: list[int] = field(default_factory=lambda: [2, 4, 8])
+    draft_tokens: list[int] = field(default_factory=lambda: [2, 4, 8])
+
+
+@dataclass
+class SpeedJob:
+    """``configs/speed.yaml``; comments there explain each key."""
+
+    model: ModelConfig
+    data: DataConfig
+    decoder: dict = field(default_factory=dict)
+    mode: str = "compare"
+    checkpoint: str | None = None
+    draft_model: str | None = None
+    exit_layer: int | None = None
+    n_prompts: int = 10
+    prompt_split: str = "auto"
+    max_prompt_tokens: int = 1024
+    chat_template: str = "auto"
+    max_new_tokens: int = 128
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    top_k: int | None = None
+    top_p: float | None = None
+    repeats: int = 3
+    warmup: int = 1
+    ttft: bool = True
+    count_hf_layers: bool = True
+    seed: int = 0
+    baseline: str | None = "autoregressive"
+    hf_baseline: str | None = "hf_generate"
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    progress: bool = True
+    output_dir: str = "outputs/speed"
+
+
+@dataclass
+class Method:
+    """A method ready to run: its name, spec, and the resolved options (exit layer and draft included)."""
+
+    name: str
+    spec: MethodConfig
+    options: dict
+    exit_layer: int | None = None
+    grid: tuple[int, int] | None = None  # sweep: (exit layer, draft tokens)
+
+
+def _positive(job: SpeedJob) -> None:
+    for key in ("n_prompts", "max_new_tokens", "repeats", "max_prompt_tokens"):
+        if getattr(job, key) < 1:
+            raise ConfigError(f"{key}={getattr(job, key)}: must be >= 1.")
+    if job.warmup < 0:
+        raise ConfigError(f"warmup={job.warmup}: must be >= 0.")
+    if not job.batch_sizes or min(job.batch_sizes) < 1:
+        raise ConfigError(f"batch_sizes={job.batch_sizes}: give at least one size, each >= 1.")
+    if not job.temperatures or min(job.temperatures) < 0:
+        raise ConfigError(f"temperatures={job.temperatures}: give at least one, each >= 0 (0 = greedy).")
+    if job.mode not in MODES:
+        raise unknown_name_error("mode", job.mode, list(MODES))
+    if job.prompt_split not in ("auto", "all", "train", "held_out"):
+        raise unknown_name_error("prompt_split", job.prompt_split, ["auto", "all", "train", "held_out"])
+    if job.chat_template not in ("auto", "always", "never"):
+        raise unknown_name_error("chat_template", job.chat_template, ["auto", "always", "never"])
+
+
+def checkpoint_exit_layer(checkpoint: str | None) -> int | None:
+    """``generation_config.assistant_early_exit`` of a checkpoint directory, read without loading the model."""
+    if not checkpoint:
+        return None
+    path = Path(checkpoint) / "generation_config.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("assistant_early_exit")
+
+
+def resolve_exit_layer(job: SpeedJob) -> tuple[int | None, str]:
+    """E and where it came from: ``exit_layer``, the checkpoint's generation config, ``model.recommended_exit``."""
+    if job.exit_layer is not None:
+        return job.exit_layer, "exit_layer"
+    from_checkpoint = checkpoint_exit_layer(job.checkpoint)
+    if from_checkpoint is not None:
+        return int(from_checkpoint), "checkpoint generation_config.assistant_early_exit"
+    if job.model.recommended_exit is not None:
+        return job.model.recommended_exit, "model.recommended_exit"
+    return None, "unset"
+
+
+def draft_model_config(job: SpeedJob) -> ModelConfig | None:
+    """The draft model: a ``configs/model`` name or a local HF directory, on the target's device and dtype."""
+    if not job.draft_model:
+        return None
+    placement = {"dtype": job.model.dtype, "device": job.model.device}
+    if job.draft_model in group_choices("model"):
+        return load_group("model", job.draft_model, ModelConfig, **placement)
+    config = Path(job.draft_model) / "config.json"
+    if not config.is_file():
+        raise ConfigError(
+            f"draft_model={job.draft_model}: neither a configs/model name ({', '.join(group_choices('model'))}) "
+            "nor a directory with a config.json."
+        )
+    family = json.loads(config.read_text()).get("model_type", "llama")
+    name = Path(job.draft_model).name
+    return ModelConfig(name=name, family=family, source="hub", name_or_path=job.draft_model, **placement)
+
+
+def target_model_config(job: SpeedJob) -> ModelConfig:
+    """The model to benchmark: ``model``, or a trained output directory given as ``checkpoint``."""
+    if not job.checkpoint:
+        return job.model
+    if not (Path(job.checkpoint) / "config.json").is_file():
+        raise ConfigError(f"checkpoint={job.checkpoint}: not a model directory (no config.json in it).")
+    return dataclasses.replace(job.model, source="hub", name_or_path=job.checkpoint, tokenizer=None)
+
+
+def _method(name: str, node: Any, exit_layer: int | None, draft: bool) -> Method:
+    spec = to_dataclass(MethodConfig, node, f"decoder.{name}")
+    if spec.engine not in ENGINES:
+        raise unknown_name_error("engine", spec.engine, list(ENGINES), f"(decoder.{name}.engine)")
+    owned = sorted(set(spec.options) & set(JOB_OWNED + (HF_OWNED if spec.engine == "hf" else ())))
+    if owned:
+        raise ConfigError(
+            f"decoder.{name}.options sets {', '.join(owned)}: the benchmark sets these for every method alike "
+            "(top level: max_new_tokens=, temperatures=, top_k=, top_p=, seed=; EOS and padding from the "
+            "tokenizer)."
+        )
+    options = dict(spec.options)
+    exit_key = "exit_layer" if spec.engine == "fastdecode" else "assistant_early_exit"
+    if spec.uses_exit_layer and options.get(exit_key) is None:
+        if exit_layer is None:
+            raise ConfigError(
+                f"method '{name}' needs an exit layer E and none is set: pass exit_layer=E (1 <= E < layers), "
+                "or a checkpoint whose generation_config.json has assistant_early_exit."
+            )
+        options[exit_key] = exit_layer
+    if spec.uses_draft and not draft:
+        raise ConfigError(
+            f"method '{name}' needs a draft model: pass draft_model=NAME (a configs/model option) or a path."
+        )
+    check_options(name, spec, options)
+    return Method(name, spec, options, options.get(exit_key))
+
+
+def check_options(name: str, spec: MethodConfig, options: dict) -> None:
+    """Unknown decoders and option keys fail here, before any model loads."""
+    if spec.engine == "fastdecode":
+        from fastdecode.decoding import DecodeConfig, get_decoder
+
+        get_decoder(spec.decoder or name)
+        to_dataclass(DecodeConfig, {"max_new_tokens": 1} | options, f"decoder.{name}.options")
+        return
+    from transformers import GenerationConfig
+
+    known = GenerationConfig()
+    for key in options:
+        if not hasattr(known, key):
+            raise unknown_name_error(
+                "GenerationConfig field", key, list(vars(known)), f"(decoder.{name}.options)"
+            )
+
+
+def _sweep_methods(job: SpeedJob, methods: list[Method], draft: bool) -> list[Method]:
+    """The baselines plus ``sweep.method`` at every (exit layer, draft tokens) of the grid."""
+    if job.sweep.method not in job.decoder:
+        raise ConfigError(
+            f"sweep.method={job.sweep.method} is not among the selected decoders ({', '.join(job.decoder)}); "
+            f"add it: decoder=[{job.baseline or 'autoregressive'},{job.sweep.method}]."
+        )
+    if not job.sweep.exit_layers or not job.sweep.draft_tokens:
+        raise ConfigError("sweep.exit_layers and sweep.draft_tokens need at least one value each.")
+    kept = [m for m in methods if m.name in (job.baseline, job.hf_baseline)]
+    base = to_dataclass(MethodConfig, job.decoder[job.sweep.method], f"decoder.{job.sweep.method}")
+    keys = ("exit_layer", "draft_tokens") if base.engine == "fastdecode" else GRID_KEYS_HF
+    for exit_layer in job.sweep.exit_layers:
+        for k in job.sweep.draft_tokens:
+            node = dataclasses.replace(base, options=dict(base.options) | {keys[0]: exit_layer, keys[1]: k})
+            method = _method(f"{job.sweep.method}_E{exit_layer}_K{k}", dataclasses.asdict(node), None, draft)
+            method.grid = (exit_layer, k)
+            kept.append(method)
+    return kept
+
+
+def plan(cfg: Any) -> tuple[SpeedJob, list[Method], str]:
+    """Convert and check the whole job: ``(job, methods, where E came from)``; raises ConfigError early."""
+    job = to_dataclass(SpeedJob, cfg, "")
+    _positive(job)
+    if not job.decoder:
+        raise ConfigError("no methods selected: pass decoder=[autoregressive,...] (configs/decoder options).")
+    exit_layer, source = resolve_exit_layer(job)
+    draft = draft_model_config(job) is not None
+    target_model_config(job)
+    if job.mode == "sweep":
+        selected = [n for n in job.decoder if n in (job.baseline, job.hf_baseline)]
+        methods = [_method(n, job.decoder[n], exit_layer, draft) for n in selected]
+        methods = _sweep_methods(job, methods, draft)
+    else:
+        methods = [_method(name, node, exit_layer, draft) for name, node in job.decoder.items()]
+    names = [m.name for m in methods]
+    for key in ("baseline", "hf_baseline"):
+        value = getattr(job, key)
+        if value is not None and value not in names:
+            raise ConfigError(
+                f"{key}={value} is not among the methods ({', '.join(names)}): add it to decoder=[...] or set "
+                f"{key}=null (speedups and token matches against it are then not reported)."
+            )
+    return job, methods, source

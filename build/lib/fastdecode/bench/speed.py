@@ -1,0 +1,141 @@
+"""The speed benchmark: check, read prompts, load, warm up, measure every method interleaved, summarise, write.
+
+All methods run in one process on the same prompts. Per repeat, temperature and batch size, each batch is run
+by every method in turn (round-robin, the order rotated per batch so that no method always goes first), so
+machine drift hits every method alike. Each call is timed with the device synchronised before both clock
+reads. TTFT is the time of the same call with ``max_new_tokens=1`` (prefill + first token; our decoders do
+not expose the prefill separately), timed right before the full call. Warm-up calls (``warmup`` per method,
+on the first batch) are not recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastdecode.bench.config import Method, SpeedJob, draft_model_config, plan, target_model_config
+from fastdecode.bench.engines import FastdecodeRunner, HFRunner
+from fastdecode.bench.stats import Record, attach_matches, oracle_report, summarise
+from fastdecode.config import ConfigError
+from fastdecode.data.sources import load_records
+from fastdecode.model import EarlyExitModel
+
+log = logging.getLogger(__name__)
+
+
+def read_prompt_records(job: SpeedJob) -> list[dict]:
+    """The prompt records: benchmarks whole, training sets held-out only (``prompt_split=auto``)."""
+    split = job.prompt_split
+    if split == "auto":
+        split = "all" if job.data.eval_only else "held_out"
+    records = load_records(job.data, split)
+    if not records:
+        raise ConfigError(f"data '{job.data.name}' has no records in split '{split}'.")
+    return records
+
+
+def tokenize_prompts(
+    job: SpeedJob, records: list[dict], tokenizer, context: int
+) -> list[tuple[str, list[int]]]:
+    """``(id, token ids)`` of the first ``n_prompts`` records that fit: the conversation up to its first user
+    turn, through the chat template with the generation prompt (chat models), else the plain text with BOS."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if job.chat_template == "always" and not has_template:
+        raise ConfigError("chat_template=always but the tokenizer has no chat template; use auto or never.")
+    templated = has_template and job.chat_template != "never"
+    limit = min(job.max_prompt_tokens, context - job.max_new_tokens)
+    prompts, too_long = [], 0
+    for rec in records:
+        first_user = next((i for i, m in enumerate(rec["messages"]) if m["role"] == "user"), None)
+        if first_user is None:
+            continue
+        messages = rec["messages"][: first_user + 1]
+        if templated:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = tokenizer("\n\n".join(m["content"] for m in messages)).input_ids
+        if len(ids) > limit:
+            too_long += 1
+            continue
+        prompts.append((str(rec["id"]), list(ids)))
+        if len(prompts) == job.n_prompts:
+            break
+    if not prompts:
+        raise ConfigError(f"no prompt fits in {limit} tokens (max_prompt_tokens, context - max_new_tokens).")
+    if len(prompts) < job.n_prompts:
+        log.warning("only %d prompts (asked for %d; %d too long)", len(prompts), job.n_prompts, too_long)
+    return prompts
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """The tokenizer's EOS and the model's generation-config EOS ids: every method stops at the same set."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    extra = model.generation_config.eos_token_id
+    ids |= set(extra) if isinstance(extra, list) else ({extra} if extra is not None else set())
+    return ids
+
+
+def build_runners(job: SpeedJob, methods: list[Method], model, tokenizer, draft) -> dict[str, Any]:
+    """One runner per method, checked against the loaded model before any decoding."""
+    m, eos = EarlyExitModel(model), eos_ids(model, tokenizer)
+    draft_m = EarlyExitModel(draft) if draft is not None else None
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
+    runners = {}
+    for method in methods:
+        if method.spec.engine == "fastdecode":
+            runners[method.name] = FastdecodeRunner(method, m, draft_m, job, eos)
+        else:
+            runners[method.name] = HFRunner(method, model, draft, job, eos, pad)
+    return runners
+
+
+def annotate(summary: list[dict], methods: list[Method], runners: dict, hf_layers: dict) -> None:
+    """Add to each summary row its exit layer, sweep grid point, and the layer counts of HF methods."""
+    by_name = {m.name: m for m in methods}
+    for row in summary:
+        method = by_name[row["method"]]
+        row["exit_layer"], row["grid"] = method.exit_layer, list(method.grid) if method.grid else None
+        row["counted_by"] = "decoder" if runners[method.name].counters else "not counted"
+        key = (row["method"], row["temperature"], row["batch_size"])
+        if key in hf_layers:
+            row["layers_per_token"], row["layer_calls_per_token"] = hf_layers[key]
+            row["counted_by"] = (
+                "layer hooks, first batch, untimed (an assistant's own prompt prefill included)"
+            )
+
+
+def run(cfg: Any) -> dict:
+    """The whole benchmark for one model and prompt set; returns the result written to ``output_dir``."""
+    from fastdecode.bench.measure import measure
+    from fastdecode.bench.report import environment, write_report
+    from fastdecode.loading import load_model
+
+    job, methods, exit_source = plan(cfg)
+    records = read_prompt_records(job)  # a missing data file fails before any model loads
+    model, tokenizer = load_model(target_model_config(job))
+    draft = None
+    if any(m.spec.uses_draft for m in methods):
+        draft = load_model(draft_model_config(job))[0]
+    runners = build_runners(job, methods, model, tokenizer, draft)
+    prompts = tokenize_prompts(job, records, tokenizer, model.config.max_position_embeddings)
+    for runner in runners.values():
+        runner.check([ids for _, ids in prompts])
+    timed_records, skipped, hf_layers = measure(job, methods, runners, prompts, model.device)
+    attach_matches(timed_records, job.baseline)
+    summary = summarise(timed_records, job.baseline, job.hf_baseline)
+    annotate(summary, methods, runners, hf_layers)
+    result = {
+        "meta": environment(job, model, exit_source),
+        "methods": {m.name: {"engine": m.spec.engine, "options": m.options} for m in methods},
+        "prompts": [pid for pid, _ in prompts],
+        "skipped": skipped,
+        "summary": summary,
+        "oracle": oracle_report(timed_records),
+        "records": [r.to_json() for r in timed_records],
+    }
+    write_report(result, job.output_dir)
+    return result
+
+
+__all__ = ["Record", "run", "tokenize_prompts"]

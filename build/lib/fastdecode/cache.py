@@ -1,0 +1,141 @@
+"""An explicit, preallocated KV cache with one length pointer per layer (rollback = moving the pointer).
+
+Why per-layer lengths: in self-speculative decoding the draft writes layers ``< E`` ahead of the verifier's
+layers ``>= E``; each layer's pointer says how many slots of that layer hold real keys/values.
+
+Why a slot-validity mask: rows of a batch are left-padded to a common prompt length, and rows that accept
+fewer speculative tokens than others leave holes. A slot is a column of the buffers shared by all rows;
+``key_valid[b, s]`` says whether row ``b`` may attend to slot ``s``. Masked slots contribute exactly zero to
+attention, so decoding stays bit-exact with an unpadded, per-row run in fp32.
+
+The cache implements the one method Hugging Face attention modules call on a cache,
+``update(key, value, layer_idx, **kw)``, so HF layers write into it directly (see ``fastdecode/model.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys/values of every layer: ``k[l], v[l]`` are ``[B, H_kv, capacity, D]``; ``lengths[l]`` is an int.
+
+    Args:
+        num_layers: decoder layers of the model.
+        batch_size: rows B.
+        num_kv_heads, head_dim: attention geometry (per layer, identical across layers).
+        capacity: slots preallocated; the buffers grow (doubling) if a write goes past it.
+        dtype, device: of the buffers (the model's).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (batch_size, num_kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = [0] * num_layers
+        # [B, capacity] bool: which slots each row may attend to (False = padding or a rejected token).
+        self.key_valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
+        # [B, capacity] position of the token in each slot: sliding windows count positions, not slots, which
+        # differ once a row has holes.
+        self.key_pos = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)
+        # Counts of tokens written per layer; tests use them to prove each token passes each layer once.
+        self.writes = [0] * num_layers
+
+    @property
+    def capacity(self) -> int:
+        return self.key_valid.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.key_valid.shape[0]
+
+    def _grow(self, needed: int) -> None:
+        new_cap = max(needed, 2 * self.capacity)
+        pad = new_cap - self.capacity
+        self.k = [torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in self.k]
+        self.v = [torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in self.v]
+        self.key_valid = torch.nn.functional.pad(self.key_valid, (0, pad))
+        self.key_pos = torch.nn.functional.pad(self.key_pos, (0, pad))
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key/value [B, H_kv, T, D]`` at layer ``layer_idx``; return all its keys/values so far.
+
+        The extra arguments of HF's cache protocol (cache kwargs) are accepted and ignored.
+        """
+        start = self.lengths[layer_idx]
+        end = start + key.shape[-2]
+        if end > self.capacity:
+            self._grow(end)
+        self.k[layer_idx][:, :, start:end] = key
+        self.v[layer_idx][:, :, start:end] = value
+        self.lengths[layer_idx] = end
+        self.writes[layer_idx] += key.shape[-2]
+        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+    def reserve(self, valid: torch.Tensor, start: int, positions: torch.Tensor | None = None) -> None:
+        """Before tokens enter slots ``[start, start + T)``: their validity ``valid [B, T]`` (bool) and
+        positions ``[B, T]`` (default: the slot indices)."""
+        end = start + valid.shape[1]
+        if end > self.capacity:
+            self._grow(end)
+        self.key_valid[:, start:end] = valid
+        if positions is None:
+            positions = torch.arange(start, end, device=valid.device).expand_as(valid)
+        self.key_pos[:, start:end] = positions
+
+    def crop(self, length: int, layers: range | None = None) -> None:
+        """Roll back: keep only the first ``length`` slots of ``layers`` (all by default). No data moves."""
+        for layer in layers if layers is not None else range(len(self.lengths)):
+            self.lengths[layer] = min(self.lengths[layer], length)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` ([b] long indices, in that order): finished rows stop costing compute.
+        Copies the kept rows' buffers once; slot layout, lengths and write counts are unchanged."""
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
+        self.key_valid = self.key_valid.index_select(0, rows)
+        self.key_pos = self.key_pos.index_select(0, rows)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """HF-compatible name for ``lengths[layer_idx]``."""
+        return self.lengths[layer_idx]
+
+
+def attention_mask(
+    key_valid: torch.Tensor,
+    query_start: int,
+    num_queries: int,
+    dtype: torch.dtype,
+    window: int | None = None,
+    key_pos: torch.Tensor | None = None,
+    query_pos: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Additive attention mask ``[B, 1, T, S]`` for queries at slots ``query_start .. query_start+T-1``.
+
+    ``key_valid`` is ``[B, S]`` (the slots attended to). A query at slot q attends to key slot s iff the slot
+    is valid for its row, ``s <= q`` (causal) and, with a sliding ``window``, the key is less than ``window``
+    positions back: by ``query_pos [B, T]`` and ``key_pos [B, S]`` when given (a cache with holes), else by
+    slot distance. Blocked entries are the dtype's minimum (not -inf): a fully masked padding row has no NaN.
+    """
+    num_keys = key_valid.shape[1]
+    device = key_valid.device
+    q = torch.arange(query_start, query_start + num_queries, device=device)[:, None]  # [T, 1]
+    s = torch.arange(num_keys, device=device)[None, :]  # [1, S]
+    allowed = (s <= q)[None, None] & key_valid[:, None, None, :]  # [B, 1, T, S]
+    if window is not None and key_pos is not None and query_pos is not None:
+        allowed = allowed & (query_pos[:, None, :, None] - key_pos[:, None, None, :] < window)
+    elif window is not None:
+        allowed = allowed & (s > q - window)[None, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)

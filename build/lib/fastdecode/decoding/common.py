@@ -1,0 +1,301 @@
+"""What every decoding strategy shares: the config, the output record, prompt batching, logits processing.
+
+Every strategy is a free function with one signature (see ``fastdecode/decoding/__init__.py``)::
+
+    generate(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=None) -> DecodeOutput
+
+Prompts of a batch are left-padded into one ``[B, W]`` block; padding slots are invalid in the cache's
+``key_valid`` mask, and each row counts positions from 0 at its first real token, so a batched row decodes
+exactly (bit-identically in fp32) like the same row alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fastdecode.cache import KVCache
+from fastdecode.config import ConfigError, unknown_name_error
+from fastdecode.decoding.policies import POLICIES
+from fastdecode.jacobi import check_block_size, check_init
+from fastdecode.model import EarlyExitModel
+
+
+@dataclass
+class DecodeConfig:
+    """How to decode. ``temperature=0`` is greedy; ``exit_layer`` E is the number of blocks the drafter (or a
+    pure early exit) runs; ``draft_tokens`` is K for the ``constant`` policy and the largest K for the others.
+    ``eos_token_id=None`` never stops early (pass the tokenizer's EOS id(s) to stop at EOS). ``draft_vocab``:
+    path of a draft vocabulary file (``fastdecode/draft_vocab.py``); the drafter's head then scores only those
+    tokens (verification keeps the full head: still lossless)."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    exit_layer: int | None = None
+    policy: str = "constant"
+    draft_tokens: int = 4
+    confidence_threshold: float = 0.4
+    eos_token_id: int | list[int] | None = None
+    seed: int = 0
+    draft_vocab: str | None = None
+    # skipdecode (fastdecode/skipdecode.py): layers at the first new token (null: all), at max_length and
+    # after (null: = max), bottom layers always run, T where the decay ends (null: longest prompt + max_new)
+    skip_max_budget: int | None = None
+    skip_min_budget: int | None = None
+    skip_warmup_layers: int = 1
+    skip_max_length: int | None = None
+    # jacobi (fastdecode/decoding/jacobi.py): block size n >= 2; initial guess repeat | prompt | vocab
+    jacobi_block: int = 16
+    jacobi_init: str = "repeat"
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ConfigError(f"decoder.max_new_tokens={self.max_new_tokens}: must be >= 1.")
+        if self.temperature < 0:
+            raise ConfigError(f"decoder.temperature={self.temperature}: must be >= 0 (0 = greedy).")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"decoder.top_k={self.top_k}: must be >= 1, or null to disable it.")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"decoder.top_p={self.top_p}: must be in (0, 1], or null to disable it.")
+        if self.exit_layer is not None and self.exit_layer <= 0:
+            raise ConfigError(
+                f"decoder.exit_layer={self.exit_layer}: the drafter must run at least one block; "
+                "use 1 <= exit_layer <= num_layers - 1 (or null for full depth)."
+            )
+        if self.draft_tokens < 1:
+            raise ConfigError(f"decoder.draft_tokens={self.draft_tokens}: must be >= 1.")
+        if not 0 <= self.confidence_threshold <= 1:
+            raise ConfigError(f"decoder.confidence_threshold={self.confidence_threshold}: must be in [0, 1].")
+        if self.policy not in POLICIES:
+            raise unknown_name_error("draft-length policy", self.policy, list(POLICIES), "(decoder.policy)")
+        low, high = self.skip_min_budget, self.skip_max_budget
+        if low is not None and high is not None and low > high:  # the rest is checked against the model
+            raise ConfigError(f"decoder.skip_min_budget={low} > decoder.skip_max_budget={high}: must be <=.")
+        check_block_size(self.jacobi_block, "decoder.jacobi_block")
+        check_init(self.jacobi_init, "decoder.jacobi_init")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def eos_ids(self) -> set[int]:
+        if self.eos_token_id is None:
+            return set()
+        return {self.eos_token_id} if isinstance(self.eos_token_id, int) else set(self.eos_token_id)
+
+
+@dataclass
+class DecodeOutput:
+    """Result of one ``generate`` call.
+
+    ``tokens``: new tokens per row, EOS included once and nothing after it. ``steps``: decoding iterations
+    after the prefill (one model pass for autoregressive, one draft + verify round for speculative).
+    ``accepted``/``drafted``/``oracle``: one entry per verification and active row; ``oracle`` is the number
+    of leading drafted tokens equal to the verifier's argmax (the best draft length, when the policy drafts
+    the full K: run ``policy=constant`` with a large ``draft_tokens`` to measure it).
+    ``position_accepted[i]``/``position_drafted[i]``: how often draft position i+1 was accepted / drafted.
+    ``layers_run``: decoder-layer x token applications after the prefill, counted for active rows (compute).
+    ``layer_calls``: decoder-layer forward calls after the prefill, each over the whole batch and any number
+    of positions: the latency proxy when decoding is memory-bound (self-speculation lowers this one).
+    ``fast_forward`` (jacobi): tokens fixed per forward and row; ``stationary``: per converged block and row.
+    """
+
+    tokens: list[list[int]]
+    steps: int = 0
+    accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    oracle: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
+    position_drafted: list[int] = field(default_factory=list)
+    layers_run: int = 0
+    layer_calls: int = 0
+    fast_forward: list[int] = field(default_factory=list)
+    stationary: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(row) for row in self.tokens)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return sum(self.accepted) / max(1, sum(self.drafted))
+
+    @property
+    def layers_per_token(self) -> float:
+        return self.layers_run / max(1, self.num_tokens)
+
+    @property
+    def layer_calls_per_token(self) -> float:
+        """Sequential layer calls per new token of the longest row."""
+        return self.layer_calls / max(1, max(len(row) for row in self.tokens))
+
+    def record(self, accepted: list[int], drafted: int, oracle: list[int]) -> None:
+        """Book one verification: per-row accepted and oracle counts of a draft of ``drafted`` tokens."""
+        grow = drafted - len(self.position_drafted)
+        if grow > 0:
+            self.position_drafted += [0] * grow
+            self.position_accepted += [0] * grow
+        for a in accepted:
+            self.accepted.append(a)
+            self.drafted.append(drafted)
+            for i in range(drafted):
+                self.position_drafted[i] += 1
+                self.position_accepted[i] += int(i < a)
+        self.oracle += oracle
+
+
+def check(cfg: DecodeConfig, m: EarlyExitModel, prompts: list[list[int]] | None = None) -> None:
+    """Validate ``cfg`` (and ``prompts``) against the model before any work is done."""
+    num_layers = m.num_layers
+    if cfg.exit_layer is not None and not 1 <= cfg.exit_layer <= num_layers - 1:
+        raise ConfigError(
+            f"decoder.exit_layer={cfg.exit_layer} but the model has {num_layers} layers: the exit must leave "
+            f"at least one layer to verify with; use 1 <= exit_layer <= {num_layers - 1}."
+        )
+    if prompts is None:
+        return
+    if not prompts:
+        raise ConfigError("no prompts given: pass a list of token-id lists.")
+    context = m.config.max_position_embeddings
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ConfigError(f"prompt {i} is empty: every row needs at least one token (e.g. BOS).")
+        if len(prompt) + cfg.max_new_tokens > context:
+            raise ConfigError(
+                f"prompt {i} has {len(prompt)} tokens but the model's context (max_position_embeddings) is "
+                f"{context} and max_new_tokens={cfg.max_new_tokens}: prompts may have at most "
+                f"{context - cfg.max_new_tokens} tokens; shorten the prompt or lower max_new_tokens."
+            )
+        if min(prompt) < 0 or max(prompt) >= m.vocab_size:
+            raise ConfigError(f"prompt {i} has token ids outside the vocabulary [0, {m.vocab_size}).")
+
+
+def refuse_draft_model(name: str, draft: EarlyExitModel | None) -> None:
+    if draft is not None:
+        raise ConfigError(
+            f"decoder '{name}' uses no separate draft model; pass draft=None (or use 'assisted')."
+        )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Prompt batching
+@dataclass
+class Prefill:
+    """A prompt batch after its prefill: the cache holds every prompt token (left-padded, slots [0, W))."""
+
+    cache: KVCache
+    positions: torch.Tensor  # [B] long: position of each row's next token (= its prompt length)
+    logits: torch.Tensor  # [B, V]: logits after each row's last prompt token
+
+
+def prefill(
+    m: EarlyExitModel, prompts: list[list[int]], capacity: int, exit_layer: int | None = None
+) -> Prefill:
+    """Left-pad ``prompts`` into one batch and run them through layers ``[0, exit_layer)`` (all by default).
+
+    Padding slots are invalid in ``cache.key_valid``; real tokens take positions ``0..len-1`` per row.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("every prompt needs at least one token (got an empty prompt or no prompts).")
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(batch, width, dtype=torch.long)  # pad id 0: any id works, padding is masked
+    valid = torch.zeros(batch, width, dtype=torch.bool)
+    positions = torch.zeros(batch, width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        valid[row, width - len(prompt) :] = True
+        positions[row, width - len(prompt) :] = torch.arange(len(prompt))
+    ids, valid, positions = (t.to(m.device) for t in (ids, valid, positions))
+    cache = m.new_cache(batch, max(capacity, width))
+    cache.reserve(valid, 0, positions)
+    hidden = m.run_layers(m.embed(ids, positions), 0, exit_layer or m.num_layers, positions, cache=cache)
+    lengths = torch.tensor([len(p) for p in prompts], device=m.device)
+    return Prefill(cache, lengths, m.exit_logits(hidden[:, -1]))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Logits processing (identical for drafter and verifier, as lossless speculative sampling requires)
+def probabilities(logits: torch.Tensor, cfg: DecodeConfig) -> torch.Tensor:
+    """``[..., V]`` logits -> fp32 probabilities after temperature, top-k, top-p (HF's order).
+
+    Greedy (temperature 0): the plain softmax, used only as a confidence signal.
+    """
+    logits = logits.float()
+    if cfg.greedy:
+        return logits.softmax(-1)
+    logits = logits / cfg.temperature
+    if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
+        kth = logits.topk(cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p is not None and cfg.top_p < 1:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already cover top_p (the top token always stays).
+        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs > cfg.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of ``probs [..., V]`` -> ``[...]`` long."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def choose(logits: torch.Tensor, probs: torch.Tensor | None, cfg: DecodeConfig, generator) -> torch.Tensor:
+    """Next tokens ``[...]``: argmax of the raw logits (greedy, as HF does) or a draw from ``probs``."""
+    if cfg.greedy:
+        return logits.argmax(-1)
+    return sample(probs if probs is not None else probabilities(logits, cfg), generator)
+
+
+def new_generator(cfg: DecodeConfig, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(cfg.seed)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Per-row bookkeeping on the host
+class Rows:
+    """The tokens emitted so far per row, with EOS and the ``max_new_tokens`` budget applied."""
+
+    def __init__(self, batch: int, cfg: DecodeConfig) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.finished = [False] * batch
+        self.budget = cfg.max_new_tokens
+        self.eos = cfg.eos_ids
+
+    def emit(self, row: int, new: list[int]) -> int:
+        """Append ``new`` to ``row`` up to its first EOS (kept) and its budget, then mark it finished.
+        Returns how many tokens were appended."""
+        out = self.tokens[row]
+        before = len(out)
+        for token in new[: self.budget - before]:
+            out.append(token)
+            if token in self.eos:
+                self.finished[row] = True
+                break
+        if len(out) >= self.budget:
+            self.finished[row] = True
+        return len(out) - before
+
+    def emit_tokens(self, tokens: torch.Tensor) -> None:
+        """One new token per row from ``tokens [B]`` (ignored for finished rows). Copies them to the host:
+        the one sync per step that one-token-per-step decoders need, since EOS decides the loop."""
+        for row, token in enumerate(tokens.tolist()):
+            if not self.finished[row]:
+                self.emit(row, [token])
+
+    @property
+    def active(self) -> list[int]:
+        return [row for row, done in enumerate(self.finished) if not done]
+
+    def active_mask(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([not done for done in self.finished], device=device)
+
+    def most_remaining(self) -> int:
+        return max(self.budget - len(self.tokens[row]) for row in self.active)

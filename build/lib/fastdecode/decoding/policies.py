@@ -1,0 +1,154 @@
+"""Draft-length policies shared by the speculative decoders.
+
+A policy is a small object the decoder asks, per round, how many tokens it may draft (``draft_limit``) and
+tells how the round went (``update``). Dynamic policies also decide per drafted token (``keep_drafting``).
+
+No host synchronisation per draft token: ``keep_drafting`` gets the drafter's probabilities of the drafted
+tokens as a device tensor and returns a device bool. The decoder copies it to the host with
+``non_blocking=True`` (``LaggedFlag``) and reads it only after it has launched the next token's pass through
+the draft layers - work that is needed whatever the flag says (the last drafted token must pass those
+layers before verification). So the host reads one token late, yet the draft stops exactly after the token
+that failed the test; on a GPU the read waits only for work that the device finished long before.
+
+Batches: a dynamic policy keeps drafting while any active row wants to; per-row acceptance decides the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Constant:
+    """Always draft K tokens."""
+
+    dynamic = False  # True: decides per drafted token in ``keep_drafting``
+
+    def __init__(self, max_tokens: int, threshold: float = 0.4, cost_ratio: float = 0.5) -> None:
+        self.k = max_tokens
+
+    def draft_limit(self) -> int:
+        return self.k
+
+    def begin(self) -> None:
+        """Called before each draft; dynamic policies reset their per-draft state here."""
+
+    def keep_drafting(self, confidence: torch.Tensor, active: torch.Tensor) -> torch.Tensor | None:
+        """``confidence [B]``: drafter probability of the token just drafted; None = no per-token decision."""
+        return None
+
+    def update(self, accepted: list[int | None], drafted: int) -> None:
+        """After verification: accepted drafts per row (None for rows that no longer decode)."""
+
+
+class Heuristic(Constant):
+    """Hugging Face's ``heuristic`` schedule: K += 2 after a fully accepted draft, else K = max(1, K - 1).
+
+    K starts at ``draft_tokens`` and, as in HF, is not capped (the decoder caps it by the tokens left).
+    In a batch a draft counts as fully accepted when every active row accepted all of it.
+    """
+
+    def update(self, accepted: list[int | None], drafted: int) -> None:
+        if all(a == drafted for a in accepted if a is not None):
+            self.k += 2
+        else:
+            self.k = max(1, self.k - 1)
+
+
+class Confidence(Constant):
+    """HF's dynamic speculation: stop after a drafted token whose drafter probability is below ``threshold``
+    (that token stays in the draft); at most K tokens."""
+
+    dynamic = True
+
+    def __init__(self, max_tokens: int, threshold: float = 0.4, cost_ratio: float = 0.5) -> None:
+        super().__init__(max_tokens)
+        self.threshold = threshold
+
+    def keep_drafting(self, confidence: torch.Tensor, active: torch.Tensor) -> torch.Tensor | None:
+        return ((confidence >= self.threshold) & active).any()
+
+
+class Adaptive(Constant):
+    """Cost-aware stop: draft another token while the estimated probability that the whole draft so far is
+    accepted exceeds the cost ratio ``c`` = draft pass / full pass (= E / L for self-speculation); at most K.
+
+    Why: token j+1 can only count if tokens 1..j are all accepted, and drafting it costs ``c`` of a full pass.
+    The estimate is the product of the drafter's confidences, each scaled by a running calibration factor
+    ``r`` = accepted drafts / summed confidence of the labelled drafts (accepted ones and the first rejected
+    one per round), with one pseudo-count each so that ``r`` starts at 1. ``r`` stays on the device.
+    """
+
+    dynamic = True
+
+    def __init__(self, max_tokens: int, threshold: float = 0.4, cost_ratio: float = 0.5) -> None:
+        super().__init__(max_tokens)
+        self.cost_ratio = cost_ratio
+        self.accepted_total = 1.0
+        self.confidence_total: torch.Tensor | None = None  # device scalar, set on first use
+        self.product: torch.Tensor | None = None  # [B] estimate for the current draft
+        self.confidences: list[torch.Tensor] = []  # [B] per drafted token of the current draft
+
+    def begin(self) -> None:
+        self.product = None
+        self.confidences = []
+
+    def keep_drafting(self, confidence: torch.Tensor, active: torch.Tensor) -> torch.Tensor | None:
+        if self.confidence_total is None:
+            self.confidence_total = torch.ones((), device=confidence.device)
+        self.confidences.append(confidence)
+        calibration = self.accepted_total / self.confidence_total
+        step = (confidence * calibration).clamp(max=1.0)
+        self.product = step if self.product is None else self.product * step
+        return ((self.product > self.cost_ratio) & active).any()
+
+    def update(self, accepted: list[int | None], drafted: int) -> None:
+        if not self.confidences:
+            return
+        confidences = torch.stack(self.confidences, 1)  # [B, k]
+        k = confidences.shape[1]
+        self.accepted_total += sum(a for a in accepted if a is not None)
+        # Labelled drafts per row: the accepted ones and the first rejected one (rows not decoding: none).
+        counts = torch.tensor(
+            [0 if a is None else min(a + 1, k) for a in accepted], device=confidences.device
+        )
+        labelled = torch.arange(k, device=confidences.device)[None, :] < counts[:, None]
+        self.confidence_total = self.confidence_total + (confidences * labelled).sum()
+
+
+POLICIES: dict[str, type[Constant]] = {
+    "constant": Constant,
+    "heuristic": Heuristic,
+    "confidence": Confidence,
+    "adaptive": Adaptive,
+}
+
+
+class LaggedFlag:
+    """A device bool that the host reads one draft token after it was computed (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.buffers = [torch.ones((), dtype=torch.bool, pin_memory=self.cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+        self.slot = 0
+        self.pending: int | None = None
+
+    def reset(self) -> None:
+        """Forget the pending flag (at the start of each draft)."""
+        self.pending = None
+
+    def push(self, flag: torch.Tensor) -> None:
+        """Start copying ``flag`` (0-d bool on the device) to the host without waiting for it."""
+        slot = self.slot
+        self.buffers[slot].copy_(flag, non_blocking=True)
+        if self.cuda:
+            self.events[slot].record()
+        self.pending, self.slot = slot, 1 - slot
+
+    def read(self) -> bool:
+        """The last pushed flag (True if none): waits only for the copy, queued before the newest work."""
+        if self.pending is None:
+            return True
+        if self.cuda:
+            self.events[self.pending].synchronize()
+        return bool(self.buffers[self.pending])

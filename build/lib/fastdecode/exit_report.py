@@ -1,0 +1,203 @@
+"""Per-exit quality: how well each early exit predicts what the full model predicts.
+
+Two measurements, both teacher-forced through ``EarlyExitModel`` one layer at a time:
+
+- on held-out data: per exit, top-1 agreement with the final layer and perplexity of the labels;
+- on the model's own greedy generations: per exit, top-1 agreement with the final layer on the generated
+  tokens. This is the greedy draft acceptance that self-speculative decoding with that exit will see.
+
+Exit ``l`` (1-based count of blocks run) means ``exit_logits`` after block ``l-1``; exit ``L`` is the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from fastdecode.data.chat import user_prompt_ids
+from fastdecode.model import EarlyExitModel
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ExitStats:
+    """Running sums per exit (keyed by blocks run, 1..L)."""
+
+    agree: dict[int, float] = field(default_factory=dict)
+    nll: dict[int, float] = field(default_factory=dict)
+    tokens: int = 0
+
+    def add(self, other_agree: dict[int, float], other_nll: dict[int, float], tokens: int) -> None:
+        for k, v in other_agree.items():
+            self.agree[k] = self.agree.get(k, 0.0) + v
+        for k, v in other_nll.items():
+            self.nll[k] = self.nll.get(k, 0.0) + v
+        self.tokens += tokens
+
+    def summary(self) -> dict[str, dict[int, float]]:
+        n = max(self.tokens, 1)
+        out = {"agreement": {k: v / n for k, v in sorted(self.agree.items())}}
+        if self.nll:
+            out["perplexity"] = {k: math.exp(v / n) for k, v in sorted(self.nll.items())}
+        return out
+
+
+@torch.no_grad()
+def score_sequence(
+    m: EarlyExitModel, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None = None
+) -> tuple[dict[int, float], dict[int, float], int]:
+    """Agreement (and label NLL) sums of every exit on one row.
+
+    Args:
+        input_ids: ``[1, T]`` tokens.
+        mask: ``[T]`` bool, positions whose *next-token prediction* is scored.
+        labels: ``[T]`` next-token targets (already shifted: ``labels[t]`` is the token after ``t``), or None.
+    Returns: ``(agree_sums, nll_sums, scored_positions)`` keyed by blocks run (1..L).
+    """
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    hidden = m.embed(input_ids, positions)
+    preds, nll = {}, {}
+    for layer in range(m.num_layers):
+        hidden = m.run_layers(hidden, layer, layer + 1, positions)
+        logits = m.exit_logits(hidden[0, mask]).float()  # [N, V]: only the scored positions
+        preds[layer + 1] = logits.argmax(-1)
+        if labels is not None:
+            nll[layer + 1] = F.cross_entropy(logits, labels[mask], reduction="sum").item()
+    final = preds[m.num_layers]
+    agree = {k: (p == final).sum().item() for k, p in preds.items()}
+    return agree, nll, int(mask.sum().item())
+
+
+def held_out_report(m: EarlyExitModel, examples: list[dict], max_examples: int | None = None) -> dict:
+    """Per-exit agreement and perplexity on tokenized examples (``input_ids``/``labels`` lists)."""
+    stats = ExitStats()
+    for ex in examples[:max_examples]:
+        ids = torch.tensor(ex["input_ids"], device=m.device)[None]
+        labels = torch.tensor(ex["labels"][1:] + [IGNORE_INDEX], device=m.device)  # next-token targets
+        mask = labels != IGNORE_INDEX
+        if mask.any():
+            stats.add(*score_sequence(m, ids, mask, labels))
+    return stats.summary() | {"tokens": stats.tokens}
+
+
+@torch.no_grad()
+def greedy_generations(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[tuple[list, int]]:
+    """``(token ids, prompt length)`` of the model's greedy continuation of each chat prompt."""
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([user_prompt_ids(tokenizer, prompt)], device=model.device)
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        out.append((gen[0].tolist(), ids.shape[1]))
+    return out
+
+
+def generation_report(m: EarlyExitModel, generations: list[tuple[list, int]]) -> dict:
+    """Per-exit top-1 agreement with the final layer on the model's own greedy tokens (draft acceptance)."""
+    stats = ExitStats()
+    for ids, prompt_len in generations:
+        seq = torch.tensor(ids, device=m.device)[None]
+        mask = torch.zeros(len(ids), dtype=torch.bool, device=m.device)
+        mask[prompt_len - 1 : len(ids) - 1] = True  # predictions of the generated tokens
+        if mask.any():
+            stats.add(*score_sequence(m, seq, mask))
+    return stats.summary() | {"tokens": stats.tokens}
+
+
+def expected_tokens_per_step(alpha: float, draft: int) -> float:
+    """Tokens per verification with i.i.d. acceptance ``alpha`` and ``draft`` drafted tokens."""
+    if alpha >= 1.0:
+        return draft + 1.0
+    return (1 - alpha ** (draft + 1)) / (1 - alpha)
+
+
+def head_cost_in_blocks(model) -> float:
+    """The LM head's weights as a multiple of one decoder block's (SmolLM2-135M: ~8; Llama-2-7B: 0.65): an
+    early exit pays the whole head, so a shallow exit of a small-block model is not cheap."""
+    m = model if isinstance(model, EarlyExitModel) else EarlyExitModel(model)
+    head = m.step_cost(depth=0)
+    return head / max(1, (m.step_cost() - head) / m.num_layers)
+
+
+def choose_exit(
+    agreement: dict[int, float],
+    num_layers: int,
+    max_draft: int = 8,
+    min_speedup: float = 1.05,
+    head_cost: float = 0.0,
+) -> dict:
+    """The exit E and draft length K with the best expected self-speculation speedup.
+
+    Cost model (units of one full forward, memory-bound decoding, ``h = head_cost`` in blocks): a drafted token
+    costs ``c = (E + h) / (L + h)``; one round (K drafts, the last draft's pass through layers < E, the
+    verification through layers >= E and the head) costs ``K * c + 1``. Speedup = tokens per round / cost.
+    Returns ``exit: None`` when no exit is expected to gain ``min_speedup`` (speculating would not pay), with
+    the best pair found (even a slowdown) as ``best_found``.
+    """
+    best = {"exit": None, "draft": 0, "expected_speedup": 0.0}
+    for exit_, alpha in agreement.items():
+        exit_ = int(exit_)
+        if exit_ >= num_layers:
+            continue
+        cost = (exit_ + head_cost) / (num_layers + head_cost)
+        for k in range(1, max_draft + 1):
+            speedup = expected_tokens_per_step(alpha, k) / (k * cost + 1)
+            if speedup > best["expected_speedup"]:
+                best = {"exit": exit_, "draft": k, "expected_speedup": speedup}
+    if best["expected_speedup"] < min_speedup:
+        best = {"exit": None, "draft": 0, "expected_speedup": 1.0, "best_found": best}
+    return best
+
+
+def plot_reports(reports: dict[str, dict], path: str) -> None:
+    """Agreement-with-final per exit, one line per report (e.g. before/after training), saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, report in reports.items():
+        for kind, style in (("generations", "-"), ("held_out", "--")):
+            agreement = report.get(kind, {}).get("agreement")
+            if agreement:
+                xs = sorted(int(k) for k in agreement)
+                ax.plot(
+                    xs,
+                    [agreement[k] if k in agreement else agreement[str(k)] for k in xs],
+                    style,
+                    label=f"{label}: {kind}",
+                )
+    ax.set_xlabel("exit E (blocks run)")
+    ax.set_ylabel("top-1 agreement with the final layer")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def exit_report(
+    model, tokenizer, held_out: list[dict], prompts: list[str], max_new_tokens: int, max_examples: int
+) -> dict:
+    """Both measurements for ``model``: ``{"held_out": {...}, "generations": {...}}`` (see module doc)."""
+    m = EarlyExitModel(model)
+    was_training = model.training
+    model.eval()
+    report = {
+        "held_out": held_out_report(m, held_out, max_examples),
+        "generations": generation_report(m, greedy_generations(model, tokenizer, prompts, max_new_tokens)),
+        "num_layers": m.num_layers,
+    }
+    model.train(was_training)
+    return report

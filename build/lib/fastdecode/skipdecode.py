@@ -1,0 +1,209 @@
+"""SkipDecode (Del Corro et al., 2023): the per-position layer budget and its exact teacher-forced forward.
+
+One module shared by the training recipe (``skipdecode_train``) and the decoder
+(``fastdecode/decoding/skipdecode.py``), so both run literally the same layers at every position.
+
+The policy. A sequence whose response starts at position ``r`` (positions ``< r`` are the prompt) runs
+``b(t)`` of its ``L`` layers at position ``t``::
+
+    b(t) = L                                                        t < r (prompt: full depth)
+    b(t) = clip(round(b_max - (b_max - b_min) * k / (T - P)), b_min, b_max),  k = t - r
+
+with ``T = max_length`` and ``P`` the prompt length. The layers run are
+``S(t) = {0 .. w-1} ∪ {L-(b(t)-w) .. L-1}``: ``w`` warm-up layers at the bottom, then the top ``b(t) - w``;
+the final norm and LM head always follow, so no intermediate heads are needed.
+
+Batches: one budget per *response offset* ``k`` shared by every row (each step of batched decoding runs one
+dense set of layers), with ``P`` = the longest prompt of the batch. In decoding that is the left-padded width,
+where every row's k-th new token sits in the same slot; in training (right-padded rows) it is the latest
+response start, and row ``b``'s offset counts from its own first label token. A row decoded alone therefore
+uses its own ``P``: budgets (and outputs) of a row can depend on the batch it is in, by design of the policy.
+
+Why no KV recomputation: ``b`` never increases, so ``S(t) ⊆ S(t')`` for ``t' < t``; every key/value that a
+token attends to at a layer it runs was written when the earlier token ran that layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fastdecode.config import ConfigError
+from fastdecode.model import EarlyExitModel
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class SkipDecodePolicy:
+    """A validated SkipDecode policy for a model of ``num_layers`` decoder layers.
+
+    ``keys`` is the config prefix used in error messages (``"recipe."``, ``"decoder.skip_"``).
+    """
+
+    num_layers: int
+    max_budget: int
+    min_budget: int
+    warmup_layers: int = 1
+    max_length: int = 2048
+    keys: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        big_l, w, k = self.num_layers, self.warmup_layers, self.keys
+        if not 0 <= w < big_l:
+            raise ConfigError(
+                f"{k}warmup_layers={w} but the model has {big_l} layers: use 0 <= warmup_layers <= {big_l - 1} "
+                "(at least one top layer must run after the warm-up)."
+            )
+        if self.min_budget > self.max_budget:
+            raise ConfigError(
+                f"{k}min_budget={self.min_budget} > {k}max_budget={self.max_budget}: the budget decays from "
+                "max to min, and a rising budget would need keys/values that were never computed; "
+                f"set {k}min_budget <= {k}max_budget."
+            )
+        for name in ("max_budget", "min_budget"):
+            value = getattr(self, name)
+            if not w + 1 <= value <= big_l:
+                raise ConfigError(
+                    f"{k}{name}={value} is outside [{w + 1}, {big_l}] = [warmup_layers + 1, layers]: every "
+                    f"token runs the {w} warm-up layer(s) and at least the top layer, at most all {big_l}."
+                )
+        if self.max_length < 1:
+            raise ConfigError(f"{k}max_length={self.max_length}: must be >= 1 (tokens).")
+
+    # ----------------------------------------------------------------------------------------------------
+    # Budgets
+    def check_prompt(self, prompt_len: int) -> None:
+        """The budget decays between the prompt end and ``max_length``: the prompt must be shorter."""
+        if prompt_len >= self.max_length:
+            raise ConfigError(
+                f"{self.keys}max_length={self.max_length} but the longest prompt has {prompt_len} tokens: "
+                f"the budget decays from the prompt end to max_length, so raise {self.keys}max_length "
+                f"above {prompt_len} (or shorten the prompts)."
+            )
+
+    def response_budgets(self, num_offsets: int, prompt_len: int) -> torch.Tensor:
+        """Budgets ``[num_offsets]`` (long) of response offsets ``k = 0 ..`` after a prompt of ``prompt_len``.
+
+        Integer half-up rounding, so training and decoding (and every platform) agree exactly.
+        """
+        self.check_prompt(prompt_len)
+        span = self.max_length - prompt_len
+        k = torch.arange(num_offsets, dtype=torch.long)
+        drop = (2 * (self.max_budget - self.min_budget) * k + span) // (2 * span)  # round(d * k / span)
+        return (self.max_budget - drop).clamp(min=self.min_budget)
+
+    def budgets(self, prompt_len: int, total_len: int) -> torch.Tensor:
+        """Budgets ``[total_len]`` (long) of positions ``0 .. total_len-1``: the prompt at full depth."""
+        response = self.response_budgets(max(0, total_len - prompt_len), prompt_len)
+        prompt = torch.full((min(prompt_len, total_len),), self.num_layers, dtype=torch.long)
+        return torch.cat([prompt, response])
+
+    def row_budgets(self, response_starts: torch.Tensor, length: int) -> torch.Tensor:
+        """Budgets ``[B, length]`` of right-padded rows whose responses start at ``response_starts [B]``.
+
+        Offsets count from each row's own start; the span uses the batch's latest start (see module doc).
+        """
+        starts = response_starts.long().cpu()
+        answered = starts[starts < length]  # rows without a label are all prompt and do not set the span
+        table = self.response_budgets(length, int(answered.max()) if len(answered) else 0)  # [length]
+        offset = torch.arange(length)[None, :] - starts[:, None]  # [B, length]
+        budgets = table[offset.clamp(min=0, max=length - 1)]
+        return torch.where(offset < 0, self.num_layers, budgets)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Layers
+    def layer_ranges(self, budget: int) -> tuple[range, range]:
+        """(warm-up layers, top layers) run at ``budget``: ``range(0, w)`` and ``range(L-(b-w), L)``."""
+        if not self.min_budget <= budget <= self.num_layers:
+            raise ValueError(f"budget {budget} outside [{self.min_budget}, {self.num_layers}]")
+        w = self.warmup_layers
+        return range(0, w), range(self.num_layers - (budget - w), self.num_layers)
+
+    def runs_layer(self, budgets: torch.Tensor) -> torch.Tensor:
+        """``[L, *budgets.shape]`` bool: whether each layer runs at each budget entry."""
+        layer = torch.arange(self.num_layers, device=budgets.device).view(-1, *([1] * budgets.dim()))
+        top_start = self.num_layers - (budgets - self.warmup_layers)
+        return (layer < self.warmup_layers) | (layer >= top_start[None])
+
+
+def response_starts(labels: torch.Tensor) -> torch.Tensor:
+    """``[B]``: the first labelled position of each row of ``labels [B, T]`` (T for a row with no label).
+
+    HF convention: ``labels[t]`` is the token at ``t``, so the first label is the first response token, the
+    one a decoder generates from the prompt ``input_ids[:start]``.
+    """
+    labelled = labels != IGNORE_INDEX
+    length = labels.shape[1]
+    first = torch.where(labelled, torch.arange(length, device=labels.device), length)
+    return first.min(dim=1).values
+
+
+def policy_forward(
+    m: EarlyExitModel,
+    policy: SkipDecodePolicy,
+    hidden: torch.Tensor,
+    position_ids: torch.Tensor,
+    budgets: torch.Tensor,
+) -> torch.Tensor:
+    """Teacher-forced decoder stack under per-position ``budgets [B, T]``: ``hidden [B, T, H]`` in and out.
+
+    Exactness trick: for each layer the positions that run it are a prefix of each row (budgets never
+    increase), so the layer runs on the prefix only and the suffix's residual stream passes through
+    unchanged; causal attention means the prefix never needs the suffix. This equals incremental decoding.
+    Rows must be right-padded (padding after the real tokens, whose outputs are ignored): no mask is used,
+    so sliding windows stay the adapter's. Consecutive layers with the same prefixes run in one call.
+    """
+    batch, length = budgets.shape
+    runs = policy.runs_layer(budgets.cpu())  # [L, B, T]
+    prefix = runs.sum(-1)  # [L, B]: positions of each row that run each layer
+    if not torch.equal(runs, torch.arange(length) < prefix[..., None]):
+        raise ValueError("budgets must be non-increasing along each row (the layers run form prefixes)")
+    position_ids = position_ids.expand(batch, -1)
+    start = 0
+    for layer in range(1, policy.num_layers + 1):
+        if layer < policy.num_layers and torch.equal(prefix[layer], prefix[start]):
+            continue
+        hidden = _run_on_prefixes(m, hidden, start, layer, position_ids, prefix[start])
+        start = layer
+    return hidden
+
+
+def _run_on_prefixes(
+    m: EarlyExitModel,
+    hidden: torch.Tensor,
+    start: int,
+    end: int,
+    position_ids: torch.Tensor,
+    lengths: torch.Tensor,
+) -> torch.Tensor:
+    """Layers ``[start, end)`` on the first ``lengths[b]`` positions of each row; the rest unchanged."""
+    width = int(lengths.max())
+    if width == 0:
+        return hidden
+    # Rows shorter than ``width`` compute a few extra positions; they are discarded below, and causality
+    # keeps them out of the kept positions.
+    part = m.run_layers(hidden[:, :width], start, end, position_ids[:, :width])
+    keep = torch.arange(width)[None, :] < lengths[:, None]  # [B, width]
+    if not bool(keep.all()):
+        part = torch.where(keep[..., None].to(hidden.device), part, hidden[:, :width])
+    return torch.cat([part, hidden[:, width:]], dim=1) if width < hidden.shape[1] else part
+
+
+def policy_hidden(
+    m: EarlyExitModel,
+    policy: SkipDecodePolicy,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Final residual stream ``[B, T, H]`` of right-padded ``input_ids [B, T]`` under the policy.
+
+    Each row's response starts at its first label (``response_starts``); ``position_ids`` default to 0..T-1.
+    """
+    batch, length = input_ids.shape
+    if position_ids is None:
+        position_ids = torch.arange(length, device=input_ids.device).expand(batch, -1)
+    budgets = policy.row_budgets(response_starts(labels), length)
+    return policy_forward(m, policy, m.embed(input_ids, position_ids), position_ids, budgets)

@@ -1,0 +1,73 @@
+"""``fastdecode-exits`` / ``python eval/exits.py``: per-exit quality report, e.g. ``fastdecode-exits checkpoint=outputs/layerskip-smollm2-135m/final``.
+
+Writes ``exits.json`` (per exit: agreement with the final layer and perplexity on held-out data, agreement on
+the model's own greedy generations, the recommended exit) and ``exits.png`` into ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from fastdecode.config import CONFIG_DIR, ModelConfig, to_dataclass
+from fastdecode.data.config import DataConfig
+
+
+@dataclasses.dataclass
+class ExitsJob:
+    model: ModelConfig
+    data: DataConfig
+    checkpoint: str | None = None
+    compare_base: bool = True
+    prompts: int = 16
+    max_new_tokens: int = 64
+    held_out_examples: int = 32
+    max_draft: int = 8
+    output_dir: str = "outputs/exits"
+
+
+def run(cfg: Any) -> dict:
+    """Measure the model (and its base, with a checkpoint) and write the report; returns it."""
+    from fastdecode.data.chat import build_datasets
+    from fastdecode.exit_report import choose_exit, exit_report, head_cost_in_blocks, plot_reports
+    from fastdecode.io import atomic_write_json
+    from fastdecode.loading import load_model
+
+    job = to_dataclass(ExitsJob, cfg, "")
+    targets = {"model": job.model}
+    if job.checkpoint:
+        after = dataclasses.replace(job.model, source="hub", name_or_path=job.checkpoint, tokenizer=None)
+        targets = ({"base": job.model} if job.compare_base else {}) | {"checkpoint": after}
+    reports, held_out = {}, None
+    for label, model_cfg in targets.items():
+        model, tokenizer = load_model(model_cfg)
+        if held_out is None:
+            held_out = build_datasets(dataclasses.replace(job.data, max_samples=1), tokenizer)[1]
+        prompts = [ex["prompt"] for ex in held_out][: job.prompts]
+        reports[label] = exit_report(
+            model, tokenizer, held_out, prompts, job.max_new_tokens, job.held_out_examples
+        )
+        agreement = reports[label]["generations"]["agreement"]
+        reports[label]["recommended"] = choose_exit(
+            agreement, model.config.num_hidden_layers, job.max_draft, head_cost=head_cost_in_blocks(model)
+        )
+    out = Path(job.output_dir)
+    atomic_write_json(out / "exits.json", reports)
+    plot_reports(reports, str(out / "exits.png"))
+    return reports
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="exits", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    reports = run(cfg)
+    for label, report in reports.items():
+        agreement = report["generations"]["agreement"]
+        print(label, {k: round(v, 3) for k, v in agreement.items()}, report["recommended"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Regenerate a dataset's answers with the model itself (self-distillation data).
+
+``python -m fastdecode_cli.regenerate [model=smollm2-135m] [data=sharegpt] [num_prompts=256]``
+
+Why: draft acceptance in self-speculation is agreement between an early exit and the final layer *on the
+model's own outputs*. Training the exits on text the model itself would write (instead of ChatGPT answers
+the model never produces) targets exactly that distribution, and the final layer's loss on its own greedy
+outputs is already low, so fine-tuning on them moves the final layer little.
+
+Prompts are the first user turns of the data config's *training* split (never its held-out split, which the
+exit reports measure on). Answers are decoded greedily with fastdecode's batched autoregressive decoder and
+written as a ``{"prompt", "response"}`` jsonl that ``data=jsonl data.path=...`` trains on. The file is
+written in chunks with atomic rewrites, so a killed run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, to_dataclass
+from fastdecode.data.chat import user_prompt_ids
+from fastdecode.data.config import DataConfig, check_trainable
+from fastdecode.io import atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RegenerateJob:
+    model: ModelConfig
+    data: DataConfig
+    num_prompts: int = 256
+    max_new_tokens: int = 192
+    max_prompt_tokens: int = 256  # longer prompts are skipped (they would dominate a CPU batch)
+    batch_size: int = 8
+    output: str = "data/${data.name}-${model.name}.jsonl"
+
+
+def _prompts(job: RegenerateJob, tokenizer: Any) -> list[tuple[str, list[int]]]:
+    """(first user turn, chat-templated prompt ids) of the training split, in split order."""
+    from fastdecode.data.sources import read_records, split_records
+
+    train, _ = split_records(read_records(job.data), job.data.held_out, job.data.split_seed)
+    out = []
+    for rec in train:
+        user = next((t["content"] for t in rec["messages"] if t["role"] == "user"), "")
+        if not user.strip():
+            continue
+        ids = user_prompt_ids(tokenizer, user)
+        if len(ids) <= job.max_prompt_tokens:
+            out.append((user, ids))
+        if len(out) == job.num_prompts:
+            break
+    return out
+
+
+def _done(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    return [line for line in path.read_text().splitlines() if line.strip()]
+
+
+def run(cfg: Any) -> dict:
+    """Write ``job.output``; returns counts. Resumes after the lines already written."""
+    from fastdecode.decoding import DecodeConfig, get_decoder
+    from fastdecode.loading import load_model
+    from fastdecode.model import EarlyExitModel
+
+    job = to_dataclass(RegenerateJob, cfg, "")
+    if job.num_prompts < 1 or job.batch_size < 1:
+        raise ConfigError("num_prompts and batch_size must be >= 1.")
+    check_trainable(job.data)  # prompts come from the training split: benchmarks are refused before loading
+    out = Path(job.output)
+    lines = _done(out)
+    model, tokenizer = load_model(job.model)
+    prompts = _prompts(job, tokenizer)
+    if len(lines) >= len(prompts):
+        return {"written": len(lines), "new": 0, "output": str(out)}
+    m = EarlyExitModel(model)
+    decode = get_decoder("autoregressive")
+    dcfg = DecodeConfig(max_new_tokens=job.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+    start = len(lines)
+    for b in range(start, len(prompts), job.batch_size):
+        batch = prompts[b : b + job.batch_size]
+        result = decode(m, [ids for _, ids in batch], dcfg)
+        for (user, _), tokens in zip(batch, result.tokens, strict=True):
+            answer = tokenizer.decode(tokens, skip_special_tokens=True)
+            lines.append(json.dumps({"prompt": user, "response": answer}))
+        atomic_write_text(out, "\n".join(lines) + "\n")  # whole file each time: never half-written
+        logger.info("regenerate: %d / %d answers", len(lines), len(prompts))
+    return {"written": len(lines), "new": len(lines) - start, "output": str(out)}
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="regenerate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    print(run(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""``fastdecode-train`` / ``python train.py``: train a model for faster decoding.
+
+``fastdecode-train recipe=layerskip model=llama2-7b data=sharegpt``. The work is ``fastdecode_recipes.run(cfg)``.
+Multi-process: ``torchrun --nproc_per_node N train.py ...`` or ``deepspeed train.py deepspeed=zero3 ...``.
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from fastdecode.config import CONFIG_DIR
+from fastdecode_cli.launch import strip_launcher_args
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="train", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    import fastdecode_recipes
+
+    fastdecode_recipes.run(cfg)
+
+
+def main() -> None:
+    strip_launcher_args()  # the DeepSpeed launcher appends --local_rank=N, which Hydra would reject
+    _main()
+
+
+if __name__ == "__main__":
+    main()

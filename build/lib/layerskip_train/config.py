@@ -1,0 +1,84 @@
+"""``configs/recipe/layerskip.yaml`` as typed dataclasses (torchtune's key names, so LayerSkip users feel at home).
+
+Layer indices are 0-based blocks: "exit after block l". The recommended exit ``E`` written into
+``generation_config.assistant_early_exit`` counts blocks run (``E = l + 1``), as Hugging Face's does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastdecode.config import ConfigError, unknown_name_error
+from layerskip_train.early_exit_loss import CURRICULA, SelfDistill
+
+
+@dataclass
+class EarlyExitLossConfig:
+    layers: str | list[int] | None = ":"  # candidate exits (slice syntax over blocks); the last is always on
+    curriculum: str = "rotational"  # none | rotational | gradual
+    rotation: int = 4  # R of the rotational curriculum
+    scale_fn: str = "uniform"  # uniform | linear_l | sum_l | sqrt_l | inv_l | inv_sqrt_l
+    scale: float = 1.0  # e_scale: multiplies every non-final exit's weight
+    chunk_size: int = 1024  # label tokens per recomputed head+CE chunk
+    token_fraction: float = 1.0  # non-final exits score this random fraction of label tokens (unbiased)
+    distill: float = 0.0  # self-distillation weight of the non-final exits (0: label CE only)
+    distill_temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.curriculum not in CURRICULA:
+            raise unknown_name_error("curriculum", self.curriculum, list(CURRICULA))
+        if not 0.0 < self.token_fraction <= 1.0:
+            raise ConfigError(
+                f"recipe.early_exit_loss.token_fraction must be in (0, 1], got {self.token_fraction}."
+            )
+        if self.rotation < 1:
+            raise ConfigError(f"recipe.early_exit_loss.rotation must be >= 1, got {self.rotation}.")
+
+    def self_distill(self) -> SelfDistill | None:
+        return SelfDistill(self.distill, self.distill_temperature) if self.distill > 0 else None
+
+
+@dataclass
+class LayerDropoutConfig:
+    prob: float = 0.1  # p_max: the rate of the deepest selected layer
+    layers: str | list[int] | None = ":"
+    layers_scale: str = "exp"  # exp | linear | uniform (depth scale D(l))
+    time_scale: str = "constant"  # constant (fine-tuning) | exp (pre-training from scratch)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prob < 1.0:
+            raise ConfigError(
+                f"recipe.layer_dropout.prob must be in [0, 1), got {self.prob} (0.1-0.2 in the paper)."
+            )
+
+
+@dataclass
+class ReportConfig:
+    """The per-exit quality report written at the start and end of training."""
+
+    enabled: bool = True
+    before: bool = True  # also measure the model before training (skip it when sweeping configurations)
+    prompts: int = 16  # held-out prompts the model continues greedily (draft acceptance on own generations)
+    max_new_tokens: int = 64
+    held_out_examples: int = 32  # held-out examples for per-exit perplexity and agreement
+    max_draft: int = 8  # largest draft length considered when choosing the recommended exit
+    # Held-out set of the report: null = the training data's held-out split; a data config name (e.g.
+    # sharegpt) when training on generated data, so perplexity is measured on real answers.
+    data: str | None = None
+    # The closing speed line: self-speculation at the chosen (or best-found) exit vs autoregressive decoding on
+    # this many held-out prompts (0: no speed line).
+    speed_prompts: int = 4
+    speed_new_tokens: int = 32
+
+
+@dataclass
+class LayerSkipConfig:
+    name: str = "layerskip"
+    early_exit_loss: EarlyExitLossConfig = field(default_factory=EarlyExitLossConfig)
+    layer_dropout: LayerDropoutConfig = field(default_factory=LayerDropoutConfig)
+    exit_layer: int | None = None  # E recorded in generation_config; None: chosen from the exit report
+    touch_skipped_layers: bool = True  # keep every parameter in the graph (DDP/ZeRO need it)
+    report: ReportConfig = field(default_factory=ReportConfig)
+    # Size of the frequency-ranked draft vocabulary written next to the checkpoint (draft_vocab.json, from the
+    # trained-on tokens): drafting then scores only these head rows. null or >= the vocabulary: not written.
+    draft_vocab_size: int | None = 8192

@@ -1,0 +1,266 @@
+"""LayerSkip early-exit loss: every active exit shares the final norm and LM head, ``J = sum_l w_l CE_l``.
+
+Exit after block ``l`` (0-based): ``logits_l = lm_head(final_norm(h_l))`` with ``h_l`` the residual stream
+output by block ``l``; the last exit (``l = L - 1``) is the model's ordinary output.
+
+Memory: the exit losses are computed exit by exit and in chunks of ``chunk_size`` label tokens; each chunk's
+norm + head + cross-entropy runs under non-reentrant ``torch.utils.checkpoint``, so only the chunk's inputs
+(a view of ``h_l``, token indices, targets) are kept for backward and its logits are recomputed there. Peak
+logits memory is one chunk ``[chunk_size, V]`` whatever the number of exits; no ``[E, B, T, V]`` or
+per-exit ``[B, T, V]`` tensor exists. Cost: the head matmul runs twice (forward + recompute).
+
+Labels follow the Hugging Face convention: ``labels [B, T]`` aligned with ``input_ids`` (not shifted);
+position ``t`` is trained to predict ``labels[:, t + 1]``; ``-100`` is ignored. With ``num_items`` (the
+Trainer's ``num_items_in_batch``) the loss is the sum of token losses divided by it, exactly like HF's
+``ForCausalLMLoss``; otherwise the mean over this batch's label tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from fastdecode.config import ConfigError, unknown_name_error
+from fastdecode.model import EarlyExitModel
+
+IGNORE_INDEX = -100
+DEFAULT_CHUNK_SIZE = 1024  # label tokens per head+CE chunk: logits memory ~ chunk_size * V * 4 bytes (x2-3)
+
+_SCALES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "uniform": torch.ones_like,
+    "linear_l": lambda n: n,
+    "sum_l": lambda n: torch.cumsum(n, 0),
+    "sqrt_l": torch.sqrt,
+    "inv_l": torch.reciprocal,
+    "inv_sqrt_l": torch.rsqrt,
+}
+CURRICULA = ("none", "rotational", "gradual")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Weights and curricula (pure functions of the step)
+def scale_weights(
+    name: str, exit_layers: Sequence[int], num_layers: int, e_scale: float = 1.0
+) -> list[float]:
+    """Normalised exit weights ``w = s / sum(s)``, aligned with ``exit_layers`` (strictly increasing).
+
+    ``s`` per exit of 0-based block ``l`` (torchtune's names): ``uniform`` 1, ``linear_l`` l+1, ``sum_l``
+    cumsum of (l+1) over the given exits, ``sqrt_l`` sqrt(l+1), ``inv_l`` 1/(l+1), ``inv_sqrt_l``
+    1/sqrt(l+1); every exit other than the last layer ``L - 1`` is multiplied by ``e_scale``.
+    """
+    if name not in _SCALES:
+        raise unknown_name_error("early exit scale function", name, list(_SCALES))
+    layers = list(exit_layers)
+    if not layers or any(b <= a for a, b in zip(layers, layers[1:], strict=False)):
+        raise ConfigError(f"exit layers must be non-empty and strictly increasing, got {layers}.")
+    if not all(0 <= layer < num_layers for layer in layers):
+        raise ConfigError(f"exit layers {layers} must lie in 0..{num_layers - 1}.")
+    if not e_scale > 0:
+        raise ConfigError(f"early_exit_loss.scale (e_scale) must be > 0, got {e_scale}.")
+    ids = torch.tensor(layers, dtype=torch.float64)  # [E]
+    s = _SCALES[name](ids + 1)
+    s = s * torch.where(ids < num_layers - 1, e_scale, 1.0)
+    return (s / s.sum()).tolist()
+
+
+def active_exits(
+    curriculum: str,
+    candidate_layers: Sequence[int],
+    num_layers: int,
+    step: int,
+    total_steps: int | None = None,
+    rotation: int = 4,
+) -> list[int]:
+    """Exits trained at optimiser step ``step``: a subset of ``candidate_layers`` plus the last layer, sorted.
+
+    ``none``: every candidate. ``rotational``: candidate ``l`` iff ``(l - step) mod rotation == 0``.
+    ``gradual``: candidate ``l`` iff ``step / total_steps >= 0.5 * (L - l) / L`` (deepest exits first, layer
+    0 from half-way on). The last layer ``L - 1`` (the model's own output) is always active. Being a pure
+    function of the global step, the curriculum resumes exactly.
+    """
+    if curriculum not in CURRICULA:
+        raise unknown_name_error("early exit curriculum", curriculum, list(CURRICULA))
+    last = num_layers - 1
+    if curriculum == "none":
+        chosen = set(candidate_layers)
+    elif curriculum == "rotational":
+        if rotation < 1:
+            raise ConfigError(f"rotational curriculum needs rotation >= 1, got {rotation}.")
+        chosen = {layer for layer in candidate_layers if (layer - step) % rotation == 0}
+    else:
+        if total_steps is None or total_steps <= 0:
+            raise ConfigError(f"gradual curriculum needs total_steps > 0, got {total_steps}.")
+        # step/T >= 0.5 (L - l)/L  <=>  2 step L >= T (L - l), in integers (no rounding at the boundary)
+        chosen = {
+            layer for layer in candidate_layers if 2 * step * num_layers >= total_steps * (num_layers - layer)
+        }
+    return sorted(chosen | {last})
+
+
+# --------------------------------------------------------------------------------------------------------
+# Loss
+@dataclass(frozen=True)
+class SelfDistill:
+    """Self-distillation of the early exits towards the final exit.
+
+    Exit loss ``(1 - weight) * CE(labels) + weight * T^2 * KL(p_final^T || p_exit^T)`` where ``p^T`` is the
+    softmax at temperature ``T`` and ``p_final`` is detached; the final exit keeps plain CE.
+    """
+
+    weight: float
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.weight <= 1.0:
+            raise ConfigError(f"distillation weight must be in [0, 1], got {self.weight}.")
+        if not self.temperature > 0:
+            raise ConfigError(f"distillation temperature must be > 0, got {self.temperature}.")
+
+
+@dataclass
+class ExitLoss:
+    """``loss``: the scalar to backpropagate; ``ce``/``kl``: detached per-exit means over label tokens."""
+
+    loss: torch.Tensor
+    ce: dict[int, torch.Tensor]
+    kl: dict[int, torch.Tensor]
+    num_tokens: int
+
+
+def _chunk_losses(
+    m: EarlyExitModel,
+    flat: torch.Tensor,
+    idx: torch.Tensor,
+    target: torch.Tensor,
+    teacher: torch.Tensor | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed CE and KL of one chunk: ``flat [N_all, H]``, ``idx``/``target [C]`` -> two scalars."""
+    logits = m.exit_logits(flat.index_select(0, idx)).float()  # [C, V]
+    ce = F.cross_entropy(logits, target, reduction="sum")
+    if teacher is None:
+        return ce, ce.new_zeros(())
+    with torch.no_grad():
+        log_p_t = F.log_softmax(m.exit_logits(teacher.index_select(0, idx)).float() / temperature, -1)
+    log_p_s = F.log_softmax(logits / temperature, -1)  # [C, V]
+    kl = F.kl_div(log_p_s, log_p_t, reduction="sum", log_target=True) * temperature**2
+    return ce, kl
+
+
+def _exit_sums(
+    m: EarlyExitModel,
+    hidden: torch.Tensor,
+    chunks: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    teacher: torch.Tensor | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed CE and KL of one exit over ``chunks`` of (token indices, targets) of ``hidden [B, T, H]``."""
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [B*T, H], a view
+    ce = kl = hidden.new_zeros((), dtype=torch.float32)
+    for idx, target in chunks:  # idx, target: [C]
+        args = (m, flat, idx, target, teacher, temperature)
+        if torch.is_grad_enabled():
+            c, k = checkpoint(_chunk_losses, *args, use_reentrant=False, preserve_rng_state=False)
+        else:
+            c, k = _chunk_losses(*args)
+        ce, kl = ce + c, kl + k
+    return ce, kl
+
+
+def _chunks(
+    valid: torch.Tensor, targets: torch.Tensor, chunk_size: int, num_chunks: int | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split label tokens into chunks of ``chunk_size``, or into exactly ``num_chunks`` (some maybe empty).
+
+    A fixed number of chunks makes the sequence of head calls identical on every rank whatever its label
+    count, which ZeRO-3's parameter prefetch requires (it checks the module trace across ranks).
+    """
+    if num_chunks is None:
+        num_chunks = max(1, -(-valid.numel() // chunk_size))
+    return list(
+        zip(torch.tensor_split(valid, num_chunks), torch.tensor_split(targets, num_chunks), strict=True)
+    )
+
+
+def early_exit_loss(
+    m: EarlyExitModel,
+    hiddens: Mapping[int, torch.Tensor],
+    labels: torch.Tensor,
+    weights: Sequence[float] | Mapping[int, float],
+    num_items: int | torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    distill: SelfDistill | None = None,
+    num_chunks: int | None = None,
+    token_fraction: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> ExitLoss:
+    """Weighted early-exit loss ``sum_l w_l * loss_l``, chunked and recomputed (see the module docstring).
+
+    Args:
+        m: the early-exit adapter (final norm + shared LM head).
+        hiddens: ``{l: [B, T, H]}`` residual stream after block ``l`` (``run_with_layer_dropout``).
+        labels: ``[B, T]`` HF-style, aligned with the inputs (shifted here); ``-100`` ignored.
+        weights: per exit, a mapping ``{l: w}`` or a sequence aligned with ``sorted(hiddens)``
+            (``scale_weights``); used as given (not renormalised).
+        num_items: label tokens in the whole accumulated batch (Trainer's ``num_items_in_batch``): the
+            loss is ``sum / num_items``; None: mean over this batch's label tokens.
+        chunk_size: label tokens per recomputed head+CE chunk.
+        distill: optional self-distillation of the non-final exits (needs the last layer in ``hiddens``).
+        num_chunks: split the label tokens into exactly this many chunks instead (same head-call sequence on
+            every rank: needed under ZeRO-3).
+        token_fraction: for the non-final exits, score only this random fraction of the label tokens
+            (drawn with ``generator``), scaled by ``n / kept``: an unbiased estimate of the full exit loss at
+            a fraction of the LM-head cost. 1.0 (default) is the exact loss.
+    """
+    layers = sorted(hiddens)
+    w = dict(weights) if isinstance(weights, Mapping) else dict(zip(layers, weights, strict=True))
+    if set(w) != set(layers):
+        raise ValueError(f"weights are for exits {sorted(w)}, hidden states for {layers}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    last = m.num_layers - 1
+    if distill is not None and distill.weight > 0 and last not in hiddens:
+        raise ValueError(f"self-distillation needs the final exit {last} among the hidden states")
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)  # [B*T]: position t -> t+1
+    valid = (shifted != IGNORE_INDEX).nonzero().flatten()  # [N]
+    n = valid.numel()
+    if n == 0:  # no label token: one ignored dummy token keeps norm + head in the graph, loss is zeroed below
+        valid = torch.zeros(1, dtype=torch.long, device=labels.device)
+    targets = shifted.index_select(0, valid)  # [N]
+    chunks = _chunks(valid, targets, chunk_size, num_chunks)
+    teacher = None
+    if distill is not None and distill.weight > 0:
+        teacher = hiddens[last].detach().reshape(-1, hiddens[last].shape[-1])  # [B*T, H]
+    total = hiddens[layers[0]].new_zeros((), dtype=torch.float32)
+    ce_log: dict[int, torch.Tensor] = {}
+    kl_log: dict[int, torch.Tensor] = {}
+    temp = distill.temperature if distill is not None else 1.0
+    for layer in layers:
+        t = teacher if layer != last else None
+        sub, scale = chunks, 1.0
+        if layer != last and token_fraction < 1.0 and n > 0:  # an unbiased estimate from a token subset
+            keep = max(1, math.ceil(token_fraction * n))
+            pick = torch.randperm(n, generator=generator)[:keep].sort().values.to(valid.device)
+            sub, scale = _chunks(valid[pick], targets[pick], chunk_size, num_chunks), n / keep
+        ce, kl = _exit_sums(m, hiddens[layer], sub, t, temp)
+        ce, kl = ce * scale, kl * scale
+        alpha = distill.weight if t is not None else 0.0
+        exit_sum = ce if alpha == 0 else (1 - alpha) * ce + alpha * kl
+        total = total + w[layer] * exit_sum
+        ce_log[layer] = ce.detach() / max(n, 1)
+        if t is not None:
+            kl_log[layer] = kl.detach() / max(n, 1)
+    if n == 0:  # zero loss, zero (not missing) gradients: DDP still sees every parameter used
+        total = total * 0
+    denom = num_items if num_items is not None else max(n, 1)
+    return ExitLoss(loss=total / denom, ce=ce_log, kl=kl_log, num_tokens=n)
+
+
+def exit_perplexities(result: ExitLoss) -> dict[int, float]:
+    """``exp`` of the per-exit mean CE: a logging helper."""
+    return {layer: math.exp(min(ce.item(), 50.0)) for layer, ce in result.ce.items()}
