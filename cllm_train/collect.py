@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -25,14 +24,16 @@ from tqdm import tqdm
 
 from cllm_train.records import model_identity, tokenizer_fingerprint
 from cllm_train.shards import ShardWriter, merge_parts
-from cllm_train.trajectories import FilterConfig, Prompt, collect_chunk
+from cllm_train.trajectories import ChunkResult, FilterConfig, Prompt, collect_chunk
 from fastdecode.config import ConfigError, ModelConfig, to_dataclass
-from fastdecode.data.chat import IGNORE_INDEX, tokenize_conversation
+from fastdecode.data.chat import tokenize_conversation
 from fastdecode.data.config import DataConfig, check_trainable
 from fastdecode.data.sources import load_records
+from fastdecode.distributed import world_size
 from fastdecode.jacobi import check_block_size
 from fastdecode.loading import load_model, load_tokenizer
 from fastdecode.model import EarlyExitModel
+from fastdecode.tokens import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +121,30 @@ def plan_batches(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:
     return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
 
 
+def solve_batch(
+    m: EarlyExitModel,
+    prompts: list[Prompt],
+    job: CollectJob,
+    eos_ids: set[int],
+    filters: FilterConfig | None = None,
+) -> ChunkResult:
+    """The trajectories of one batch with the job's block size, initial guess, length and seed, and its
+    repetition filters unless ``filters`` is given (the throughput benchmark turns them off)."""
+    return collect_chunk(
+        m,
+        prompts,
+        n=job.block_size,
+        init=job.init,
+        max_new_seq_len=job.max_new_seq_len,
+        eos_ids=eos_ids,
+        filters=job.filters if filters is None else filters,
+        seed=job.seed,
+    )
+
+
 def _distributed() -> tuple[int, int]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    """``(rank, world size)``, joining the process group of a multi-process launch (gloo: CPU collectives)."""
+    world = world_size()
     if world == 1:
         return 0, 1
     import torch.distributed as dist
@@ -171,7 +194,16 @@ def run(cfg: Any, after_commit: Callable[[int], None] | None = None) -> dict:
     hf, tokenizer = load_model(job.model)
     m = EarlyExitModel(hf)
     todo = [b for b in plan_batches(mine, job.batch_size) if any(p.id not in writer.completed for p in b)]
-    _collect(m, job, todo, writer, eos_token_ids(hf, tokenizer), len(mine), rank, after_commit)
+    _collect(
+        m,
+        job,
+        todo,
+        writer,
+        eos_ids=eos_token_ids(hf, tokenizer),
+        total=len(mine),
+        rank=rank,
+        after_commit=after_commit,
+    )
     writer.finish()
     if world > 1:
         import torch.distributed as dist
@@ -188,6 +220,7 @@ def _collect(
     job: CollectJob,
     batches: list[list[Prompt]],
     writer: ShardWriter,
+    *,
     eos_ids: set[int],
     total: int,
     rank: int,
@@ -205,9 +238,7 @@ def _collect(
     start, tokens = time.perf_counter(), 0
     for k, batch in enumerate(batches, 1):
         todo = [p for p in batch if p.id not in writer.completed]
-        result = collect_chunk(
-            m, todo, job.block_size, job.init, job.max_new_seq_len, eos_ids, job.filters, job.seed
-        )
+        result = solve_batch(m, todo, job, eos_ids)
         writer.commit([p.id for p in todo], result.records, result.filtered, result.forwards, result.tokens)
         tokens += result.tokens
         bar.update(len(todo))

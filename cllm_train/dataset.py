@@ -2,7 +2,7 @@
 
 One example per record (one block of one prompt). What does not depend on the drawn state is built here: the
 teacher sequence ``x ⊕ y*``, every state of the block, and the AR sequence with its labels. Which state
-``y(i)`` the student sees is drawn per optimiser step by ``draw_states`` from ``row_uniforms`` (a pure
+``y(i)`` the student sees is drawn per optimiser step by ``draw_states`` from ``state_uniforms`` (a pure
 function of the seed, the step, the rank and the row within the accumulated batch), so a resumed run draws
 exactly what an uninterrupted one would, whatever the epoch and whatever the data loader does, and splitting
 a step into micro-batches changes nothing.
@@ -17,15 +17,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from cllm_train.config import CLLMConfig
 from cllm_train.records import check_manifest, iter_records, read_manifest
 from fastdecode.config import ConfigError
+from fastdecode.tokens import IGNORE_INDEX
+from fastdecode.training.draws import row_uniforms
 
 log = logging.getLogger(__name__)
-IGNORE_INDEX = -100
 
 
 def load_trajectories(
@@ -157,12 +157,11 @@ def collate(examples: list[dict], pad_id: int, ar_from_teacher: bool = False) ->
     return batch
 
 
-def row_uniforms(seed: int, step: int, rank: int, rows: range) -> torch.Tensor:
-    """``[len(rows)]`` float64 uniforms in [0, 1): row ``r`` of the accumulated batch of optimiser step ``step``
-    on rank ``rank`` gets a pure function of (seed, step, rank, r), whatever the split into micro-batches."""
-    return torch.tensor(
-        [np.random.default_rng([seed, step, rank, r]).random() for r in rows], dtype=torch.float64
-    )
+def state_uniforms(seed: int, step: int, rank: int, rows: range) -> torch.Tensor:
+    """``[len(rows)]`` float64 uniforms in [0, 1) for ``draw_states``: row ``r`` of the accumulated batch of
+    optimiser step ``step`` on rank ``rank`` gets a pure function of (seed, step, rank, r), whatever the split
+    into micro-batches."""
+    return row_uniforms((seed, step, rank), rows)
 
 
 def draw_states(
@@ -171,7 +170,7 @@ def draw_states(
     """The student state per row, uniform among the row's non-fixed states (``m < n``); -1 if it has none.
 
     Args:
-        first_mismatch: ``[B, S]``; block_len: ``[B]``; uniforms: ``[B]`` in [0, 1) (``row_uniforms``).
+        first_mismatch: ``[B, S]``; block_len: ``[B]``; uniforms: ``[B]`` in [0, 1) (``state_uniforms``).
     Returns: ``[B]`` long state indices (on the input's device).
     """
     candidates = (first_mismatch < block_len[:, None]).cpu()  # [B, S]

@@ -1,4 +1,4 @@
-"""CLLM losses (Kou et al., 2024) as static functions over logits; see ``shared/reference/cllm.md``.
+"""CLLM losses (Kou et al., 2024, "CLLMs: Consistency Large Language Models", arXiv:2403.00835) on logits.
 
 Notation: prefix ``x`` (``P`` tokens, after left padding the block always starts at column ``P``), a block of
 ``n`` tokens, state ``y(i)`` with first mismatch ``m_i`` against the fixed point ``y*``. The logits at column
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from fastdecode.tokens import IGNORE_INDEX
 
 
 class Term(NamedTuple):
@@ -87,11 +87,6 @@ def consistency_loss(
     return _term(total, count, num_items)
 
 
-def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
-    """HF-style ``labels [B, T]`` (aligned with the inputs) -> targets ``[B, T]``: column t holds label t+1."""
-    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-
-
 def ar_loss(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -102,7 +97,8 @@ def ar_loss(
 
     Args:
         logits: ``[..., V]``.
-        targets: ``[...]`` next-token ids aligned with ``logits`` (``next_token_targets``); -100 is ignored.
+        targets: ``[...]`` next-token ids aligned with ``logits`` (``fastdecode.tokens.next_token_targets``);
+            ``IGNORE_INDEX`` is ignored.
         label_smoothing: ``e`` (the reference uses 0.1).
         num_items: denominator (target tokens in the accumulated batch); None: this call's target tokens.
     """

@@ -1,6 +1,6 @@
 """``ConsistencyLM``: the module the Trainer trains; its forward computes the CLLM loss.
 
-Why a wrapper module (``fastdecode.wrapped_lm``): under DDP and DeepSpeed the loss must be computed inside
+Why a wrapper module (``fastdecode.training.wrapped_lm``): under DDP and DeepSpeed the loss must be computed inside
 the forward of the wrapped module, or the gradient reducer is bypassed and ranks silently train apart.
 
 Forward passes per micro-batch (the reference makes three forwards and two backwards):
@@ -23,10 +23,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from cllm_train.config import CLLMConfig
-from cllm_train.dataset import draw_states, row_uniforms
-from cllm_train.losses import Term, ar_loss, consistency_loss, consistency_positions, next_token_targets
-from fastdecode.cache import attention_mask as build_mask
-from fastdecode.wrapped_lm import WrappedLM
+from cllm_train.dataset import draw_states, state_uniforms
+from cllm_train.losses import Term, ar_loss, consistency_loss, consistency_positions
+from fastdecode.tokens import IGNORE_INDEX, next_token_targets
+from fastdecode.training.wrapped_lm import WrappedLM, causal_mask_from_padding
 
 __all__ = ["ConsistencyLM"]
 
@@ -57,8 +57,7 @@ class ConsistencyLM(WrappedLM):
         ids = torch.cat([nn.functional.pad(i, (0, width - i.shape[1])) for i, _ in rows])  # [R, W]
         valid = torch.cat([nn.functional.pad(v, (0, width - v.shape[1])) for _, v in rows]).bool()
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-        # No padding: no mask, so SDPA runs its causal kernel.
-        mask = None if bool(valid.all()) else build_mask(valid, 0, width, m.dtype)
+        mask = causal_mask_from_padding(valid, m.dtype)  # None without padding: SDPA's causal kernel
         hidden = m.run_layers(m.embed(ids, positions), 0, m.num_layers, positions, mask)
         return [
             h[:, : i.shape[1]]
@@ -89,7 +88,7 @@ class ConsistencyLM(WrappedLM):
         cfg = self.cfg
         if picks is None:
             picks = draw_states(
-                first_mismatch, block_len, row_uniforms(self.seed, 0, 0, range(len(block_len)))
+                first_mismatch, block_len, state_uniforms(self.seed, 0, 0, range(len(block_len)))
             )
         batch, width = input_ids.shape
         prefix_w = width - states.shape[2]
@@ -109,7 +108,7 @@ class ConsistencyLM(WrappedLM):
         loss, out = self._consistency(hidden[0], teachers, scored, consistency_items)
         if cfg.uses_ar:
             targets = next_token_targets(labels)
-            keep = targets != -100
+            keep = targets != IGNORE_INDEX
             logits = self.adapter.exit_logits(hidden[1][keep])  # [N_AR, V]: the scored positions only
             ar = ar_loss(logits, targets[keep], cfg.label_smoothing, num_items_in_batch)
             loss = loss + cfg.ar_weight * ar.loss

@@ -1,7 +1,8 @@
 """``CLLMTrainer``: the HF Trainer with the CLLM loss.
 
 Overrides ``get_batch_samples`` (draw the student states of the whole accumulated batch and count its
-consistency positions), ``compute_loss`` (pass that count) and ``log`` (per-loss metrics) only.
+consistency positions) and ``compute_loss`` (pass that count) only; the per-loss metrics reach the logs
+through ``fastdecode.training.trainer_logs``.
 
 Normalisation under gradient accumulation: every token-level loss is a sum divided by the token count of the
 *whole accumulated batch* (summed over ranks when ``average_tokens_across_devices``, as the Trainer does for
@@ -12,12 +13,14 @@ drawn states, which is why the draws happen here, before any micro-batch runs.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from transformers import Trainer
 
-from cllm_train.dataset import draw_states, row_uniforms
+from cllm_train.dataset import draw_states, state_uniforms
+from fastdecode.training.trainer_logs import ComponentLogsMixin
 
 METRICS = {  # module output -> logged name
     "loss_consistency": "loss/consistency",
@@ -34,8 +37,9 @@ def consistency_count(batch: dict) -> torch.Tensor:
     return torch.where(batch["picks"] >= 0, batch["block_len"] - m, 0).sum()
 
 
-class CLLMTrainer(Trainer):
-    """Trains a ``ConsistencyLM``; logs ``loss/consistency`` and ``loss/ar`` (per-token means).
+class CLLMTrainer(ComponentLogsMixin, Trainer):
+    """Trains a ``ConsistencyLM``; logs ``loss/consistency`` and ``loss/ar`` (per-token means; ``eval_...``
+    in evaluation).
 
     Args:
         draw_base: seed of the state draws; row ``j`` of the accumulated batch of optimiser step ``s`` on rank
@@ -47,8 +51,6 @@ class CLLMTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.draw_base = draw_base
         self._consistency_items: torch.Tensor | None = None
-        self._sums: dict[str, float] = defaultdict(float)
-        self._counts: dict[str, int] = defaultdict(int)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -56,7 +58,7 @@ class CLLMTrainer(Trainer):
         first = 0
         for batch in batches:
             rows = range(first, first + len(batch["block_len"]))  # rows of the accumulated batch
-            uniforms = row_uniforms(self.draw_base, step, rank, rows)
+            uniforms = state_uniforms(self.draw_base, step, rank, rows)
             batch["picks"] = draw_states(batch["first_mismatch"], batch["block_len"], uniforms)
             first = rows.stop
         count = sum((consistency_count(b) for b in batches), torch.zeros((), dtype=torch.long)).to(device)
@@ -68,18 +70,7 @@ class CLLMTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if model.training and "picks" in inputs:
             inputs = {**inputs, "consistency_items": self._consistency_items}
-        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
-        if model.training:
-            for key, name in METRICS.items():
-                if key in outputs:
-                    self._sums[name] += float(outputs[key])
-                    self._counts[name] += 1
-        return (loss, outputs) if return_outputs else loss
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs and self._counts:  # a training log: the per-loss means since the last one
-            for name, total in self._sums.items():
-                logs[name] = round(total / self._counts[name], 4)
-            self._sums.clear()
-            self._counts.clear()
-        super().log(logs, start_time)
+    def loss_components(self, outputs: Mapping[str, Any]) -> dict[str, Any]:
+        return {name: outputs[key] for key, name in METRICS.items() if key in outputs}

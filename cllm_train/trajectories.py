@@ -94,6 +94,7 @@ class _Row:
 def collect_chunk(
     m: EarlyExitModel,
     prompts: list[Prompt],
+    *,
     n: int,
     init: str,
     max_new_seq_len: int,

@@ -57,15 +57,13 @@ def reference_trajectories(
 
 
 def _ours(m: Any, prompts: list, job: Any, eos_ids: set[int]) -> tuple[list[dict], int]:
-    from cllm_train.collect import plan_batches
-    from cllm_train.trajectories import FilterConfig, collect_chunk
+    from cllm_train.collect import plan_batches, solve_batch
+    from cllm_train.trajectories import FilterConfig
 
     off = FilterConfig(max_repeat_run=None, ngram_size=None)
     records, forwards = [], 0
     for batch in plan_batches(prompts, job.batch_size):
-        result = collect_chunk(
-            m, batch, job.block_size, job.init, job.max_new_seq_len, eos_ids, off, job.seed
-        )
+        result = solve_batch(m, batch, job, eos_ids, filters=off)
         records += [rec for recs in result.records for rec in recs]
         forwards += result.forwards
     return records, forwards

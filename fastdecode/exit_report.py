@@ -11,7 +11,6 @@ Exit ``l`` (1-based count of blocks run) means ``exit_logits`` after block ``l-1
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -19,8 +18,7 @@ import torch.nn.functional as F
 
 from fastdecode.data.chat import user_prompt_ids
 from fastdecode.model import EarlyExitModel
-
-IGNORE_INDEX = -100
+from fastdecode.tokens import IGNORE_INDEX, next_token_targets, perplexity
 
 
 @dataclass
@@ -42,7 +40,7 @@ class ExitStats:
         n = max(self.tokens, 1)
         out = {"agreement": {k: v / n for k, v in sorted(self.agree.items())}}
         if self.nll:
-            out["perplexity"] = {k: math.exp(v / n) for k, v in sorted(self.nll.items())}
+            out["perplexity"] = {k: perplexity(v, self.tokens) for k, v in sorted(self.nll.items())}
         return out
 
 
@@ -77,7 +75,7 @@ def held_out_report(m: EarlyExitModel, examples: list[dict], max_examples: int |
     stats = ExitStats()
     for ex in examples[:max_examples]:
         ids = torch.tensor(ex["input_ids"], device=m.device)[None]
-        labels = torch.tensor(ex["labels"][1:] + [IGNORE_INDEX], device=m.device)  # next-token targets
+        labels = next_token_targets(torch.tensor(ex["labels"], device=m.device))
         mask = labels != IGNORE_INDEX
         if mask.any():
             stats.add(*score_sequence(m, ids, mask, labels))

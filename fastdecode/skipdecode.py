@@ -31,8 +31,7 @@ import torch
 
 from fastdecode.config import ConfigError
 from fastdecode.model import EarlyExitModel
-
-IGNORE_INDEX = -100
+from fastdecode.tokens import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

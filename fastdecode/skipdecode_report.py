@@ -9,18 +9,17 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from fastdecode.data.chat import collate
 from fastdecode.decoding import DECODERS, DecodeConfig
 from fastdecode.decoding.skipdecode import policy_from_config
 from fastdecode.model import EarlyExitModel
-from fastdecode.skipdecode import IGNORE_INDEX, SkipDecodePolicy, policy_hidden, response_starts
+from fastdecode.skipdecode import SkipDecodePolicy, policy_hidden, response_starts
+from fastdecode.tokens import IGNORE_INDEX, next_token_nll, perplexity
 
 
 def lcs_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -75,16 +74,13 @@ def policy_perplexity(
         answered = starts[starts < ids.shape[1]]
         policy = policy_for(int(answered.max()) if len(answered) else 0)
         hidden = policy_hidden(m, policy, ids, labels, batch["position_ids"].to(m.device))
-        scored = labels[:, 1:] != IGNORE_INDEX  # [B, T-1]
-        logits = m.exit_logits(hidden[:, :-1][scored]).float()
-        nll += F.cross_entropy(logits, labels[:, 1:][scored], reduction="sum").item()
-        tokens += int(scored.sum())
+        batch_nll, batch_tokens = next_token_nll(hidden, labels, m.exit_logits)
+        nll, tokens = nll + batch_nll.item(), tokens + batch_tokens
         budgets = policy.row_budgets(starts, ids.shape[1])
         layers += int(budgets[labels.cpu() != IGNORE_INDEX].sum())
-    mean = nll / max(tokens, 1)
     return {
-        "nll": mean,
-        "perplexity": math.exp(min(mean, 50.0)),
+        "nll": nll / max(tokens, 1),
+        "perplexity": perplexity(nll, tokens),
         "tokens": tokens,
         "layers": layers / max(tokens, 1),
     }

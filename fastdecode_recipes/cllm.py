@@ -1,9 +1,10 @@
 """``recipe=cllm``: consistency training (CLLM, Kou et al., 2024) on Jacobi trajectories of the same model.
 
-trajectories (checked against the tokenizer before the weights load) -> examples -> model -> (LoRA) ->
-held-out perplexity + Jacobi tokens per forward (before) -> CLLMTrainer -> train -> export (verified against
-the live model) -> the same measurement (after) -> ``summary.json``. The exported checkpoint is a plain HF
-directory; decode it with ``fastdecode.decoding.get_decoder("jacobi")``.
+The ``fastdecode_recipes.finetune`` sequence with ``ConsistencyLM`` under ``CLLMTrainer``: trajectories
+(checked against the tokenizer before the weights load) -> examples -> model -> held-out perplexity + Jacobi
+tokens per forward (before) -> train -> export (verified against the live model) -> the same measurement
+(after) -> ``summary.json``. The exported checkpoint is a plain HF directory; decode it with
+``fastdecode.decoding.get_decoder("jacobi")``.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,20 +24,12 @@ from cllm_train.trainer import CLLMTrainer
 from fastdecode.config import to_dataclass
 from fastdecode.data.chat import build_datasets, user_prompt_ids
 from fastdecode.decoding import DecodeConfig, get_decoder
-from fastdecode.distributed import is_main_process
-from fastdecode.io import atomic_write_json, save_resolved_config
-from fastdecode.loading import load_model, load_tokenizer, resolve_device
+from fastdecode.loading import load_tokenizer, resolve_device
 from fastdecode.model import EarlyExitModel
-from fastdecode_recipes.common import (
-    TrainJob,
-    apply_peft,
-    check_deepspeed_batch,
-    compare_export,
-    export_checkpoint,
-    probe_loss,
-    resolve_resume,
-    training_arguments,
-)
+from fastdecode.tokens import next_token_nll
+from fastdecode.tokens import perplexity as token_perplexity
+from fastdecode_recipes.common import TrainJob
+from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +60,11 @@ def perplexity(model, examples: list[dict]) -> float | None:
     """Perplexity of the assistant tokens (``labels``) of tokenized examples, one conversation at a time."""
     nll, tokens = 0.0, 0
     for ex in examples:
-        ids = torch.tensor([ex["input_ids"]], device=model.device)
-        targets = torch.tensor(ex["labels"][1:], device=model.device)
-        logits = model(input_ids=ids).logits[0, :-1].float()  # [T-1, V]: position t predicts t+1
-        nll += torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").item()
-        tokens += int((targets != -100).sum())
-    return math.exp(nll / tokens) if tokens else None
+        ids, labels = (torch.tensor([ex[key]], device=model.device) for key in ("input_ids", "labels"))
+        logits = model(input_ids=ids).logits  # [1, T, V]
+        one_nll, one_tokens = next_token_nll(logits, labels, head=lambda x: x)
+        nll, tokens = nll + one_nll.item(), tokens + one_tokens
+    return token_perplexity(nll, tokens)
 
 
 def measure(model, tokenizer, held_out: list[dict], rcfg: CLLMConfig, block: int) -> dict:
@@ -101,61 +91,65 @@ def measure(model, tokenizer, held_out: list[dict], rcfg: CLLMConfig, block: int
     }
 
 
-def _check_export(final, probe: dict, live_loss: float, rcfg: CLLMConfig, seed: int, live_dtype) -> dict:
-    """The saved checkpoint must reproduce the live model's CLLM loss on a probe batch (same state draw)."""
-    with torch.no_grad():
-        saved = float(ConsistencyLM(final, rcfg, seed).eval()(**probe)["loss"])
-    return compare_export(saved, live_loss, live_dtype)
+class CLLM(Recipe):
+    """``ConsistencyLM`` under ``CLLMTrainer`` on trajectory examples (no eval set: held-out conversations feed
+    the report); perplexity and Jacobi tokens per forward before and after."""
+
+    trainer_class = CLLMTrainer
+
+    def __init__(self, job: TrainJob) -> None:
+        super().__init__(job)
+        self.rcfg = to_dataclass(CLLMConfig, job.recipe, "recipe")
+        self.seed = job.seed if self.rcfg.seed is None else self.rcfg.seed
+        self.manifest: dict = {}  # the rest is set by prepare()
+        self.records: list[dict] = []
+        self.train: list[dict] = []
+        self.held_out: list[dict] = []
+        self.block = 0
+
+    def prepare(self) -> None:
+        """Trajectories checked against the tokenizer, examples built: all before the weights load."""
+        tokenizer = _tokenizer(self.job)
+        self.manifest, self.records = load_trajectories(
+            self.rcfg.trajectories, tokenizer, model_identity(self.job.model), self.rcfg.max_records
+        )
+        self.train = build_examples(self.records, self.rcfg)
+        self.held_out = _held_out(self.job, self.rcfg, tokenizer, {r["prompt_id"] for r in self.records})
+        self.block = self.rcfg.report.block_size or max(len(r["fixed_point"]) for r in self.records)
+
+    def datasets(self, tokenizer) -> tuple[list[dict], list[dict]]:
+        return self.train, self.held_out
+
+    def eval_dataset(self, held_out: list[dict]) -> None:
+        return None
+
+    def collator(self, tokenizer, model):
+        ar_from_teacher = self.rcfg.ar_target == "fixed_point"
+        return functools.partial(collate, pad_id=tokenizer.pad_token_id, ar_from_teacher=ar_from_teacher)
+
+    def module(self, model, args) -> ConsistencyLM:
+        return ConsistencyLM(model, self.rcfg, self.seed)
+
+    def trainer_kwargs(self, tokenizer) -> dict:
+        return {"draw_base": self.seed}
+
+    def summary(self) -> dict:
+        path, model = str(self.rcfg.trajectories), self.manifest["model"]
+        return {"trajectories": {"path": path, "records": len(self.records), "model": model}}
+
+    def before_report(self, model, tokenizer, held_out: list[dict]) -> dict | None:
+        r = self.rcfg.report
+        return measure(model, tokenizer, held_out, self.rcfg, self.block) if r.enabled and r.before else None
+
+    def after_report(self, run: FinetuneRun) -> dict:
+        if not self.rcfg.report.enabled:
+            return {}
+        run.final.to(resolve_device(self.job.model.device))
+        after = measure(run.final, run.tokenizer, run.held_out, self.rcfg, self.block)
+        log.info("cllm: before %s, after %s", run.before, after)
+        return {"report": {"before": run.before, "after": after}}
 
 
 def run(job: TrainJob, cfg: Any = None) -> dict:
     """Train on ``recipe.trajectories``, export, measure. Returns the checkpoint path, metrics and report."""
-    from transformers import set_seed
-
-    rcfg = to_dataclass(CLLMConfig, job.recipe, "recipe")
-    check_deepspeed_batch(job)
-    set_seed(job.seed)
-    tokenizer = _tokenizer(job)
-    manifest, records = load_trajectories(
-        rcfg.trajectories, tokenizer, model_identity(job.model), rcfg.max_records
-    )
-    train = build_examples(records, rcfg)
-    held_out = _held_out(job, rcfg, tokenizer, {r["prompt_id"] for r in records})
-    block = rcfg.report.block_size or max(len(r["fixed_point"]) for r in records)
-    model, tokenizer = load_model(job.model)
-    out = Path(job.output_dir)
-    if cfg is not None:
-        save_resolved_config(cfg, out)
-    want_before = rcfg.report.enabled and rcfg.report.before and is_main_process()
-    before = measure(model, tokenizer, held_out, rcfg, block) if want_before else None
-    args = training_arguments(job, prediction_loss_only=True)
-    model = apply_peft(model, job.peft, args.gradient_checkpointing)
-    seed = job.seed if rcfg.seed is None else rcfg.seed
-    collator = functools.partial(
-        collate, pad_id=tokenizer.pad_token_id, ar_from_teacher=rcfg.ar_target == "fixed_point"
-    )
-    trainer = CLLMTrainer(
-        model=ConsistencyLM(model, rcfg, seed),
-        args=args,
-        train_dataset=train,
-        data_collator=collator,
-        draw_base=seed,
-    )
-    result = trainer.train(resume_from_checkpoint=resolve_resume(job))
-    probe = collator(train[:2])
-    live_loss = probe_loss(trainer, probe)  # every rank: ZeRO-3 gathers the partitions for this forward
-    final = export_checkpoint(trainer, model, tokenizer, job.peft, out / "final")
-    summary = {
-        "checkpoint": str(out / "final"),
-        "metrics": dict(result.metrics),
-        "trajectories": {"path": str(rcfg.trajectories), "records": len(records), "model": manifest["model"]},
-    }
-    if final is not None:  # rank 0
-        summary["export_check"] = _check_export(final, probe, live_loss, rcfg, seed, model.dtype)
-        if rcfg.report.enabled:
-            final.to(resolve_device(job.model.device))
-            after = measure(final, tokenizer, held_out, rcfg, block)
-            summary["report"] = {"before": before, "after": after}
-            log.info("cllm: before %s, after %s", before, after)
-        atomic_write_json(out / "summary.json", summary)
-    return summary
+    return finetune(job, cfg, CLLM(job)).summary

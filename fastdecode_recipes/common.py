@@ -1,4 +1,5 @@
-"""What every training recipe shares: the typed job config, TrainingArguments, output and resume handling."""
+"""What every training recipe shares: the typed job config, TrainingArguments, resume, LoRA, the DeepSpeed
+batch check and the checkpoint export. The step sequence that uses them is ``fastdecode_recipes.finetune``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, _suggest, to_dataclass
 from fastdecode.data.config import DataConfig
+from fastdecode.distributed import is_main_process, world_size
 
 log = logging.getLogger(__name__)
 
@@ -160,12 +162,6 @@ def apply_peft(model, cfg: PeftConfig, gradient_checkpointing: bool = False):
     return get_peft_model(model, lora)
 
 
-def world_size() -> int:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def check_deepspeed_batch(job: TrainJob) -> None:
     """Explicit DeepSpeed batch sizes must equal micro x grad_accum x world size (checked before loading)."""
     path = job.deepspeed.path()
@@ -179,10 +175,11 @@ def check_deepspeed_batch(job: TrainJob) -> None:
     total = ds.get("train_batch_size", "auto")
     micro = job.trainer.get("per_device_train_batch_size", 8) if micro == "auto" else micro
     accum = job.trainer.get("gradient_accumulation_steps", 1) if accum == "auto" else accum
-    if total != "auto" and total != micro * accum * world_size():
+    world = world_size()
+    if total != "auto" and total != micro * accum * world:
         raise ConfigError(
             f"DeepSpeed config {path.name}: train_batch_size={total} but micro batch {micro} x gradient "
-            f"accumulation {accum} x world size {world_size()} = {micro * accum * world_size()}. "
+            f"accumulation {accum} x world size {world} = {micro * accum * world}. "
             'Set the DeepSpeed fields to "auto" (the Trainer fills them) or make them agree.'
         )
     for key, mine in (
@@ -201,15 +198,18 @@ def export_checkpoint(trainer, hf_model, tokenizer, peft: PeftConfig, out_dir: s
 
     Works the same for single process, DDP and ZeRO-2/3: the full state dict is gathered (ZeRO-3 partitions
     are all-gathered; every rank must call this), loaded on rank 0 into a fresh model of the same class
-    (LoRA merged unless ``peft.merge_on_save`` is false), and saved. Returns the fresh model on rank 0,
-    None elsewhere.
+    (LoRA merged unless ``peft.merge_on_save`` is false), and saved. The trained module is a ``WrappedLM``
+    around ``hf_model`` or ``hf_model`` itself (``recipe=sft``). Returns the fresh model on rank 0, None
+    elsewhere.
     """
-    state = full_state_dict(trainer.accelerator.unwrap_model(trainer.model_wrapped))
-    from fastdecode.distributed import is_main_process
+    from fastdecode.training.wrapped_lm import WrappedLM
 
+    module = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    state = full_state_dict(module)
     if not is_main_process():
         return None
-    state = {k.removeprefix("model."): v for k, v in state.items()}
+    if isinstance(module, WrappedLM):  # the wrapper holds the HF model as ``model``
+        state = {k.removeprefix("model."): v for k, v in state.items()}
     fresh = _fresh_like(hf_model, peft)
     missing, unexpected = fresh.load_state_dict(state, strict=False)
     missing = [k for k in missing if "lm_head" not in k]  # tied head: saved once as the embedding

@@ -1,40 +1,30 @@
 """``recipe=layerskip``: layer dropout + early-exit loss (Elhoushi et al., 2024) on the HF Trainer.
 
-model -> (LoRA) -> data -> exit report (before) -> LayerSkipTrainer -> train -> export -> exit report
-(after) -> recommended exit E in ``generation_config.assistant_early_exit``. The exported checkpoint is a
-plain HF directory: ``AutoModelForCausalLM`` + ``generate(assistant_early_exit=E)`` self-speculates with it.
+The ``fastdecode_recipes.finetune`` sequence with ``EarlyExitLM`` under ``LayerSkipTrainer``: exit report
+(before) -> train -> export (verified) -> exit report (after) -> recommended exit E in
+``generation_config.assistant_early_exit`` -> ``draft_vocab.json``. The exported checkpoint is a plain HF
+directory: ``AutoModelForCausalLM`` + ``generate(assistant_early_exit=E)`` self-speculates with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
-from fastdecode.data.chat import build_datasets, collate, user_prompt_ids
+from fastdecode.data.chat import build_datasets, user_prompt_ids
 from fastdecode.data.config import DataConfig
 from fastdecode.decoding import DecodeConfig, get_decoder
-from fastdecode.distributed import is_main_process
+from fastdecode.distributed import world_size
 from fastdecode.draft_vocab import DRAFT_VOCAB_FILE, draft_vocab_from_examples, save_draft_vocab
 from fastdecode.exit_report import choose_exit, exit_report, head_cost_in_blocks, plot_reports
-from fastdecode.io import atomic_write_json, save_resolved_config
-from fastdecode.loading import load_model
+from fastdecode.io import atomic_write_json
 from fastdecode.model import EarlyExitModel
-from fastdecode_recipes.common import (
-    TrainJob,
-    apply_peft,
-    check_deepspeed_batch,
-    compare_export,
-    export_checkpoint,
-    probe_loss,
-    resolve_resume,
-    training_arguments,
-    world_size,
-)
+from fastdecode_recipes.common import TrainJob
+from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
 from layerskip_train.config import LayerSkipConfig
 from layerskip_train.early_exit_loss import scale_weights
 from layerskip_train.layer_dropout import dropout_rates, parse_layers
@@ -49,7 +39,9 @@ def validate(rcfg: LayerSkipConfig, num_layers: int) -> None:
     ee, ld = rcfg.early_exit_loss, rcfg.layer_dropout
     exits = parse_layers(ee.layers, num_layers)
     scale_weights(ee.scale_fn, sorted(set(exits) | {num_layers - 1}), num_layers, ee.scale)
-    dropout_rates(ld.prob, num_layers, ld.layers, ld.layers_scale, ld.time_scale, 0, 1)
+    dropout_rates(
+        ld.prob, num_layers, ld.layers, scale=ld.layers_scale, time_scale=ld.time_scale, step=0, total_steps=1
+    )
     if rcfg.report.data is not None and rcfg.report.data not in group_choices("data"):
         raise unknown_name_error(
             "recipe.report.data", rcfg.report.data, group_choices("data"), "(configs/data)"
@@ -84,44 +76,49 @@ def _exit_chunks(job: TrainJob, rcfg: LayerSkipConfig) -> int | None:
     return max(1, -(-batch * job.data.max_length // rcfg.early_exit_loss.chunk_size))
 
 
+class LayerSkip(Recipe):
+    """``EarlyExitLM`` under ``LayerSkipTrainer``; exit reports before and after, the exit choice, the draft
+    vocabulary."""
+
+    trainer_class = LayerSkipTrainer
+
+    def __init__(self, job: TrainJob) -> None:
+        super().__init__(job)
+        self.rcfg = to_dataclass(LayerSkipConfig, job.recipe, "recipe")
+        self.report_set: list[dict] = []
+
+    def validate(self, model) -> None:
+        validate(self.rcfg, model.config.num_hidden_layers)
+
+    def datasets(self, tokenizer) -> tuple[list[dict], list[dict]]:
+        train, held_out = super().datasets(tokenizer)
+        self.report_set = _report_set(self.rcfg, tokenizer, held_out)
+        return train, held_out
+
+    def module(self, model, args) -> EarlyExitLM:
+        return EarlyExitLM(
+            model,
+            self.rcfg,
+            seed=self.job.seed,
+            total_steps=args.max_steps,
+            rank=args.process_index,
+            exit_chunks=_exit_chunks(self.job, self.rcfg),
+        )
+
+    def before_report(self, model, tokenizer, held_out: list[dict]) -> dict | None:
+        r = self.rcfg.report
+        return _report(model, tokenizer, self.report_set, self.rcfg) if r.enabled and r.before else None
+
+    def after_report(self, run: FinetuneRun) -> dict:
+        return _finish(run.final, run.tokenizer, self.report_set, self.rcfg, run.before, run.out)
+
+    def extra_files(self, run: FinetuneRun) -> dict:
+        return {"draft_vocab": _write_draft_vocab(run.train, run.tokenizer, self.rcfg, run.out / "final")}
+
+
 def run(job: TrainJob, cfg: Any = None) -> dict:
     """Train, export, report. Returns the checkpoint path, metrics and the recommended exit."""
-    from transformers import set_seed
-
-    rcfg = to_dataclass(LayerSkipConfig, job.recipe, "recipe")
-    check_deepspeed_batch(job)
-    set_seed(job.seed)
-    model, tokenizer = load_model(job.model)
-    validate(rcfg, model.config.num_hidden_layers)
-    train, held_out = build_datasets(job.data, tokenizer)
-    report_set = _report_set(rcfg, tokenizer, held_out)
-    out = Path(job.output_dir)
-    if cfg is not None:
-        save_resolved_config(cfg, out)
-    want_before = rcfg.report.enabled and rcfg.report.before and is_main_process()
-    before = _report(model, tokenizer, report_set, rcfg) if want_before else None
-    args = training_arguments(job, prediction_loss_only=True)
-    model = apply_peft(model, job.peft, args.gradient_checkpointing)
-    module = EarlyExitLM(model, rcfg, job.seed, args.max_steps, args.process_index, _exit_chunks(job, rcfg))
-    trainer = LayerSkipTrainer(
-        model=module,
-        args=args,
-        train_dataset=train,
-        eval_dataset=held_out or None,
-        data_collator=functools.partial(collate, pad_id=tokenizer.pad_token_id, mask_dtype=model.dtype),
-    )
-    result = trainer.train(resume_from_checkpoint=resolve_resume(job))
-    metrics = dict(result.metrics) | (trainer.evaluate() if held_out else {})
-    probe = collate(held_out[:2] or train[:2], tokenizer.pad_token_id, model.dtype)
-    live_loss = probe_loss(trainer, probe)  # every rank: ZeRO-3 gathers the partitions for this forward
-    final = export_checkpoint(trainer, model, tokenizer, job.peft, out / "final")
-    summary = {"checkpoint": str(out / "final"), "metrics": metrics}
-    if final is not None:  # rank 0
-        summary["export_check"] = _check_export(final, probe, live_loss, model.dtype)
-        summary |= _finish(final, tokenizer, report_set, rcfg, before, out)
-        summary["draft_vocab"] = _write_draft_vocab(train, tokenizer, rcfg, out / "final")
-        atomic_write_json(out / "summary.json", summary)
-    return summary
+    return finetune(job, cfg, LayerSkip(job)).summary
 
 
 def _best_found(choice: dict) -> int | None:
@@ -170,21 +167,6 @@ def _write_draft_vocab(train: list[dict], tokenizer, rcfg: LayerSkipConfig, fina
     ids = draft_vocab_from_examples(train, tokenizer, size)
     path = save_draft_vocab(final_dir / DRAFT_VOCAB_FILE, ids, vocab_size=vocab, source="training data")
     return str(path)
-
-
-def _check_export(final, probe: dict, live_loss: float, live_dtype) -> dict:
-    """The saved checkpoint must reproduce the live model (catches partial ZeRO-3 saves, lost LoRA merges)."""
-    import torch
-
-    with torch.no_grad():
-        logits = final(
-            input_ids=probe["input_ids"],
-            attention_mask=probe["attention_mask"],
-            position_ids=probe["position_ids"],
-        ).logits
-        shifted = torch.nn.functional.pad(probe["labels"][:, 1:], (0, 1), value=-100)
-        saved = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten()).item()
-    return compare_export(saved, live_loss, live_dtype)
 
 
 def _finish(final, tokenizer, held_out, rcfg: LayerSkipConfig, before: dict | None, out: Path) -> dict:

@@ -1,50 +1,26 @@
 """``recipe=sft``: plain causal-LM fine-tuning on assistant tokens (the baseline the other recipes beat).
 
-model -> data -> Trainer -> train -> save. The HF model computes the loss from ``labels``; the Trainer passes
-``num_items_in_batch`` so the loss is normalised over the whole accumulated batch.
+The default ``Recipe`` of ``fastdecode_recipes.finetune``: the HF model (with ``peft=lora``, its LoRA
+adapters) computes the loss from ``labels``; the Trainer passes ``num_items_in_batch`` so the loss is
+normalised over the whole accumulated batch. Export (LoRA merged) verified against the live model,
+``summary.json``.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-from pathlib import Path
 from typing import Any
 
-from fastdecode.data.chat import build_datasets, collate
-from fastdecode.distributed import is_main_process
-from fastdecode.io import save_resolved_config
-from fastdecode.loading import load_model
-from fastdecode_recipes.common import TrainJob, resolve_resume, training_arguments
+from fastdecode_recipes.common import TrainJob
+from fastdecode_recipes.finetune import Recipe, finetune
 
-log = logging.getLogger(__name__)
+
+class SFT(Recipe):
+    """Plain fine-tuning; the tokenizer goes into every Trainer checkpoint too."""
+
+    def trainer_kwargs(self, tokenizer: Any) -> dict[str, Any]:
+        return {"processing_class": tokenizer}
 
 
 def run(job: TrainJob, cfg: Any = None) -> dict:
-    """Fine-tune ``job.model`` on ``job.data``; returns the final metrics and the checkpoint path."""
-    from transformers import Trainer, set_seed
-
-    set_seed(job.seed)
-    model, tokenizer = load_model(job.model)
-    train, held_out = build_datasets(job.data, tokenizer)
-    args = training_arguments(job)
-    if cfg is not None:
-        save_resolved_config(cfg, job.output_dir)
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=train,
-        eval_dataset=held_out or None,
-        data_collator=functools.partial(collate, pad_id=tokenizer.pad_token_id, mask_dtype=model.dtype),
-        processing_class=tokenizer,
-    )
-    result = trainer.train(resume_from_checkpoint=resolve_resume(job))
-    final = Path(job.output_dir) / "final"
-    trainer.save_model(str(final))
-    if is_main_process():
-        tokenizer.save_pretrained(str(final))
-    metrics = dict(result.metrics)
-    if held_out:
-        metrics |= trainer.evaluate()
-    log.info("sft done: %s", metrics)
-    return {"checkpoint": str(final), "metrics": metrics}
+    """Fine-tune ``job.model`` on ``job.data``; returns the checkpoint path, metrics and the export check."""
+    return finetune(job, cfg, SFT(job)).summary

@@ -1,36 +1,26 @@
 """``recipe=skipdecode``: fine-tune under the SkipDecode policy (Del Corro et al., 2023) on the HF Trainer.
 
-model -> policy check -> (LoRA) -> data -> held-out perplexity under the policy (before) -> Trainer on
-``SkipDecodeLM`` (final-layer CE, the policy run exactly in the forward) -> train -> export (verified against
-the live model under the policy) -> held-out perplexity (after) -> ``final/skipdecode.json``: the ``decoder``
-options (``skip_*`` DecodeConfig fields) that decode with the trained policy.
+The ``fastdecode_recipes.finetune`` sequence with ``SkipDecodeLM`` (final-layer CE, the policy run exactly in
+the forward) under the plain Trainer: policy check -> data -> held-out perplexity under the policy (before)
+-> train -> export (verified against the live model under the policy) -> held-out perplexity (after) ->
+``final/skipdecode.json``: the ``decoder`` options (``skip_*`` DecodeConfig fields) that decode with the
+trained policy.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from typing import Any
 
 from fastdecode.config import ConfigError, to_dataclass
-from fastdecode.data.chat import build_datasets, collate
-from fastdecode.distributed import is_main_process
-from fastdecode.io import atomic_write_json, save_resolved_config
-from fastdecode.loading import load_model
+from fastdecode.data.chat import collate
+from fastdecode.io import atomic_write_json
 from fastdecode.model import EarlyExitModel
 from fastdecode.skipdecode import SkipDecodePolicy
 from fastdecode.skipdecode_report import policy_perplexity
-from fastdecode_recipes.common import (
-    TrainJob,
-    apply_peft,
-    check_deepspeed_batch,
-    compare_export,
-    export_checkpoint,
-    probe_loss,
-    resolve_resume,
-    training_arguments,
-)
+from fastdecode_recipes.common import TrainJob
+from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
 from skipdecode_train.config import SkipDecodeConfig
 from skipdecode_train.module import SkipDecodeLM
 
@@ -47,56 +37,55 @@ def decoder_options(policy: SkipDecodePolicy) -> dict:
     }
 
 
+class SkipDecode(Recipe):
+    """``SkipDecodeLM`` (the policy in the forward) under the plain Trainer; held-out perplexity under the
+    policy before and after; the decoder options next to the checkpoint."""
+
+    def __init__(self, job: TrainJob) -> None:
+        super().__init__(job)
+        self.rcfg = to_dataclass(SkipDecodeConfig, job.recipe, "recipe")
+        self.policy: SkipDecodePolicy | None = None
+
+    def prepare(self) -> None:
+        if self.job.data.packing:
+            raise ConfigError(
+                "recipe=skipdecode trains one conversation per row (the budget counts from each response "
+                "start); set data.packing=false."
+            )
+
+    def validate(self, model) -> None:  # the policy is built (and checked) before any data work
+        self.policy = self.rcfg.policy(model.config.num_hidden_layers, self.job.data.max_length)
+
+    def collator(self, tokenizer, model):
+        return functools.partial(collate, pad_id=tokenizer.pad_token_id, mask_dtype=model.dtype, four_d=False)
+
+    def module(self, model, args) -> SkipDecodeLM:
+        return SkipDecodeLM(model, self.policy)
+
+    def summary(self) -> dict:
+        return {"policy": decoder_options(self.policy)}
+
+    def before_report(self, model, tokenizer, held_out: list[dict]) -> dict | None:
+        if not (self.rcfg.evaluate_before and held_out):
+            return None
+        return policy_perplexity(EarlyExitModel(model), lambda _: self.policy, held_out)
+
+    def after_report(self, run: FinetuneRun) -> dict:
+        m = EarlyExitModel(run.final)
+        after = policy_perplexity(m, lambda _: self.policy, run.held_out) if run.held_out else None
+        log.info("skipdecode done: before %s, after %s", run.before, after)
+        return {"held_out": {"before": run.before, "after": after}}
+
+    def extra_files(self, run: FinetuneRun) -> dict:
+        options = {
+            "decoder": "skipdecode",
+            "num_layers": self.policy.num_layers,
+            **decoder_options(self.policy),
+        }
+        atomic_write_json(run.out / "final" / "skipdecode.json", options)
+        return {}
+
+
 def run(job: TrainJob, cfg: Any = None) -> dict:
     """Train under the policy, export, measure. Returns the checkpoint path, metrics and the policy."""
-    from transformers import Trainer, set_seed
-
-    rcfg = to_dataclass(SkipDecodeConfig, job.recipe, "recipe")
-    check_deepspeed_batch(job)
-    if job.data.packing:
-        raise ConfigError(
-            "recipe=skipdecode trains one conversation per row (the budget counts from each response "
-            "start); set data.packing=false."
-        )
-    set_seed(job.seed)
-    model, tokenizer = load_model(job.model)
-    policy = rcfg.policy(model.config.num_hidden_layers, job.data.max_length)  # fails before any data work
-    train, held_out = build_datasets(job.data, tokenizer)
-    out = Path(job.output_dir)
-    if cfg is not None:
-        save_resolved_config(cfg, out)
-    want_before = rcfg.evaluate_before and held_out and is_main_process()
-    before = policy_perplexity(EarlyExitModel(model), lambda _: policy, held_out) if want_before else None
-    args = training_arguments(job, prediction_loss_only=True)
-    model = apply_peft(model, job.peft, args.gradient_checkpointing)
-    module = SkipDecodeLM(model, policy)
-    collator = functools.partial(collate, pad_id=tokenizer.pad_token_id, mask_dtype=model.dtype, four_d=False)
-    trainer = Trainer(
-        model=module, args=args, train_dataset=train, eval_dataset=held_out or None, data_collator=collator
-    )
-    result = trainer.train(resume_from_checkpoint=resolve_resume(job))
-    metrics = dict(result.metrics) | (trainer.evaluate() if held_out else {})
-    probe = collator(held_out[:2] or train[:2])
-    live_loss = probe_loss(trainer, probe)  # every rank: ZeRO-3 gathers the partitions for this forward
-    final = export_checkpoint(trainer, model, tokenizer, job.peft, out / "final")
-    summary = {"checkpoint": str(out / "final"), "metrics": metrics, "policy": decoder_options(policy)}
-    if final is not None:  # rank 0
-        exported = SkipDecodeLM(final, policy).eval()
-        summary["export_check"] = _check_export(exported, probe, live_loss, model.dtype)
-        after = policy_perplexity(exported.adapter, lambda _: policy, held_out) if held_out else None
-        summary["held_out"] = {"before": before, "after": after}
-        options = {"decoder": "skipdecode", "num_layers": policy.num_layers, **decoder_options(policy)}
-        atomic_write_json(out / "final" / "skipdecode.json", options)
-        atomic_write_json(out / "summary.json", summary)
-        log.info("skipdecode done: %s", summary["held_out"])
-    return summary
-
-
-def _check_export(exported: SkipDecodeLM, probe: dict, live_loss: float, live_dtype) -> dict:
-    """The saved checkpoint must reproduce the live model under the policy (partial ZeRO-3 saves, lost LoRA
-    merges)."""
-    import torch
-
-    with torch.no_grad():
-        saved = float(exported(**probe)["loss"])
-    return compare_export(saved, live_loss, live_dtype)
+    return finetune(job, cfg, SkipDecode(job)).summary

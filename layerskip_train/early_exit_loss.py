@@ -27,8 +27,8 @@ from torch.utils.checkpoint import checkpoint
 
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.model import EarlyExitModel
+from fastdecode.tokens import IGNORE_INDEX, next_token_targets
 
-IGNORE_INDEX = -100
 DEFAULT_CHUNK_SIZE = 1024  # label tokens per head+CE chunk: logits memory ~ chunk_size * V * 4 bytes (x2-3)
 
 _SCALES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -192,6 +192,7 @@ def early_exit_loss(
     hiddens: Mapping[int, torch.Tensor],
     labels: torch.Tensor,
     weights: Sequence[float] | Mapping[int, float],
+    *,
     num_items: int | torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     distill: SelfDistill | None = None,
@@ -226,7 +227,7 @@ def early_exit_loss(
     last = m.num_layers - 1
     if distill is not None and distill.weight > 0 and last not in hiddens:
         raise ValueError(f"self-distillation needs the final exit {last} among the hidden states")
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)  # [B*T]: position t -> t+1
+    shifted = next_token_targets(labels).reshape(-1)  # [B*T]: position t -> label t+1
     valid = (shifted != IGNORE_INDEX).nonzero().flatten()  # [N]
     n = valid.numel()
     if n == 0:  # no label token: one ignored dummy token keeps norm + head in the graph, loss is zeroed below
@@ -259,8 +260,3 @@ def early_exit_loss(
         total = total * 0
     denom = num_items if num_items is not None else max(n, 1)
     return ExitLoss(loss=total / denom, ce=ce_log, kl=kl_log, num_tokens=n)
-
-
-def exit_perplexities(result: ExitLoss) -> dict[int, float]:
-    """``exp`` of the per-exit mean CE: a logging helper."""
-    return {layer: math.exp(min(ce.item(), 50.0)) for layer, ce in result.ce.items()}

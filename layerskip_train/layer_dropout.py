@@ -6,24 +6,25 @@ the block unchanged (identity, no ``1/(1-p)`` rescale), and the block runs only 
 dropping saves compute.
 
 Everything here is a pure function of its arguments: the drop mask is drawn from a generator seeded with
-``(seed, step, micro_step, rank)``, so a resumed run draws exactly the drops it would have drawn.
+``(seed, step, micro_step, rank)`` (``fastdecode.training.draws``), so a resumed run draws exactly the drops
+it would have drawn.
 
 Typical use in a training step::
 
-    rates = dropout_rates(0.2, m.num_layers, ":", "exp", "constant", step, total_steps)
-    drops = drop_mask(rates, batch_size, seed, step)                         # [L, B] bool
-    hiddens = run_with_layer_dropout(m, m.embed(ids, pos), pos, mask, drops, exits)
+    rates = dropout_rates(0.2, m.num_layers, ":", scale="exp", step=step, total_steps=total_steps)
+    drops = drop_mask(rates, batch_size, seed=seed, step=step)                           # [L, B] bool
+    hiddens = run_with_layer_dropout(m, m.embed(ids, pos), pos, mask, drops=drops, exit_layers=exits)
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import torch
 
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.model import EarlyExitModel
+from fastdecode.training.draws import draw_generator
 
 DEPTH_SCALES = ("exp", "linear", "uniform")
 TIME_SCALES = ("constant", "exp")
@@ -135,6 +136,7 @@ def dropout_rates(
     p_max: float,
     num_layers: int,
     layers_spec: str | Sequence[int] | None = None,
+    *,
     scale: str = "exp",
     time_scale: str = "constant",
     step: int = 0,
@@ -151,15 +153,13 @@ def dropout_rates(
 
 # --------------------------------------------------------------------------------------------------------
 # Draws
-def draw_seed(seed: int, step: int, micro_step: int = 0, rank: int = 0) -> int:
-    """A 63-bit generator seed derived from ``(seed, step, micro_step, rank)``; stable across processes."""
-    key = f"layer-dropout/{seed}/{step}/{micro_step}/{rank}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
+DROP_STREAM = "layer-dropout"  # the draw stream of the drop masks (fastdecode.training.draws)
 
 
 def drop_mask(
     rates: Sequence[float] | torch.Tensor,
     batch_size: int,
+    *,
     seed: int,
     step: int,
     micro_step: int = 0,
@@ -167,12 +167,12 @@ def drop_mask(
 ) -> torch.Tensor:
     """Per-sample drops ``[L, B]`` bool (True = row b skips layer l), on the CPU.
 
-    Drawn from a private ``torch.Generator`` seeded by :func:`draw_seed`, so the mask depends only on its
-    arguments (not on the global RNG) and a resumed run redraws the same drops. ``micro_step`` (gradient
-    accumulation index) and ``rank`` (data-parallel rank) decorrelate the micro-batches of one step.
+    Drawn from a private ``torch.Generator`` keyed by ``(seed, step, micro_step, rank)``, so the mask depends
+    only on its arguments (not on the global RNG) and a resumed run redraws the same drops. ``micro_step``
+    (gradient accumulation index) and ``rank`` (data-parallel rank) decorrelate the micro-batches of a step.
     """
     rates_t = torch.as_tensor(rates, dtype=torch.float64).reshape(-1, 1)  # [L, 1]
-    gen = torch.Generator().manual_seed(draw_seed(seed, step, micro_step, rank))
+    gen = draw_generator(DROP_STREAM, seed, step, micro_step, rank)
     uniform = torch.rand(rates_t.shape[0], batch_size, generator=gen, dtype=torch.float64)  # [L, B]
     return uniform < rates_t
 
@@ -218,6 +218,7 @@ def run_with_layer_dropout(
     hidden: torch.Tensor,
     position_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
+    *,
     drops: torch.Tensor | None = None,
     exit_layers: Sequence[int] | set[int] | None = None,
     touch_skipped: bool = False,

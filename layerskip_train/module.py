@@ -1,6 +1,6 @@
 """``EarlyExitLM``: the module the Trainer trains; its forward computes the LayerSkip loss.
 
-Why a wrapper module (``fastdecode.wrapped_lm``): under DDP and DeepSpeed the loss must be computed inside
+Why a wrapper module (``fastdecode.training.wrapped_lm``): under DDP and DeepSpeed the loss must be computed inside
 the forward of the wrapped module, so layer dropout and the early-exit loss live in ``forward``.
 """
 
@@ -9,31 +9,15 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from fastdecode.cache import attention_mask as build_mask
-from fastdecode.wrapped_lm import WrappedLM
+from fastdecode.training.draws import draw_generator
+from fastdecode.training.wrapped_lm import WrappedLM, causal_mask_from_padding
 from layerskip_train.config import LayerSkipConfig
 from layerskip_train.early_exit_loss import active_exits, early_exit_loss, scale_weights
-from layerskip_train.layer_dropout import (
-    draw_seed,
-    drop_mask,
-    dropout_rates,
-    parse_layers,
-    run_with_layer_dropout,
-)
+from layerskip_train.layer_dropout import drop_mask, dropout_rates, parse_layers, run_with_layer_dropout
 
-__all__ = ["EarlyExitLM", "additive_mask"]
+__all__ = ["EarlyExitLM"]
 
-
-def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A collator's mask as the adapter wants it: ``[B, T]`` 0/1 -> additive ``[B, 1, T, T]``; 4D as is.
-
-    A 2D mask without padding becomes None, so SDPA uses its causal kernel.
-    """
-    if mask is None or mask.dim() == 4:
-        return mask
-    if bool(mask.all()):
-        return None
-    return build_mask(mask.bool(), 0, mask.shape[1], dtype)
+TOKEN_STREAM = "exit-tokens"  # the draw stream of the exit-token subsets (token_fraction < 1)
 
 
 class EarlyExitLM(WrappedLM):
@@ -53,6 +37,7 @@ class EarlyExitLM(WrappedLM):
         self,
         model: PreTrainedModel,
         cfg: LayerSkipConfig,
+        *,
         seed: int,
         total_steps: int,
         rank: int = 0,
@@ -82,16 +67,12 @@ class EarlyExitLM(WrappedLM):
             ld.prob,
             self.adapter.num_layers,
             self.drop_layers,
-            ld.layers_scale,
-            ld.time_scale,
-            step,
-            self.total_steps,
+            scale=ld.layers_scale,
+            time_scale=ld.time_scale,
+            step=step,
+            total_steps=self.total_steps,
         )
-        return drop_mask(rates, batch, self.seed, step, micro_step, self.rank)
-
-    def _generator(self, step: int, micro_step: int) -> torch.Generator:
-        """Token-subset draws, deterministic in (seed, step, micro-step, rank) like the layer drops."""
-        return torch.Generator().manual_seed(draw_seed(self.seed + 1, step, micro_step, self.rank))
+        return drop_mask(rates, batch, seed=self.seed, step=step, micro_step=micro_step, rank=self.rank)
 
     def forward(
         self,
@@ -109,7 +90,7 @@ class EarlyExitLM(WrappedLM):
         batch, length = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(batch, -1)
-        mask = additive_mask(attention_mask, m.dtype)
+        mask = causal_mask_from_padding(attention_mask, m.dtype)
         exits = self.exits_at(step) if self.training else [m.num_layers - 1]
         hidden = m.embed(input_ids, position_ids)
         hiddens = run_with_layer_dropout(
@@ -117,8 +98,8 @@ class EarlyExitLM(WrappedLM):
             hidden,
             position_ids,
             mask,
-            self.drops_at(step, micro_step, batch),
-            exits,
+            drops=self.drops_at(step, micro_step, batch),
+            exit_layers=exits,
             touch_skipped=self.cfg.touch_skipped_layers and self.training,
         )
         weights = scale_weights(ee.scale_fn, exits, m.num_layers, ee.scale)
@@ -128,11 +109,11 @@ class EarlyExitLM(WrappedLM):
             hiddens,
             labels,
             weights,
-            num_items_in_batch,
-            ee.chunk_size,
-            distill,
-            self.exit_chunks,
-            ee.token_fraction if self.training else 1.0,
-            self._generator(step, micro_step),
+            num_items=num_items_in_batch,
+            chunk_size=ee.chunk_size,
+            distill=distill,
+            num_chunks=self.exit_chunks,
+            token_fraction=ee.token_fraction if self.training else 1.0,
+            generator=draw_generator(TOKEN_STREAM, self.seed, step, micro_step, self.rank),
         )
         return {"loss": out.loss, "exit_ce": out.ce, "exit_kl": out.kl}

@@ -8,12 +8,12 @@ so the trained computation is exactly what ``fastdecode/decoding/skipdecode.py``
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from fastdecode.config import ConfigError
-from fastdecode.skipdecode import IGNORE_INDEX, SkipDecodePolicy, policy_hidden
-from fastdecode.wrapped_lm import WrappedLM
+from fastdecode.skipdecode import SkipDecodePolicy, policy_hidden
+from fastdecode.tokens import next_token_nll
+from fastdecode.training.wrapped_lm import WrappedLM
 
 __all__ = ["SkipDecodeLM", "check_right_padded"]
 
@@ -65,11 +65,8 @@ class SkipDecodeLM(WrappedLM):
         """
         check_right_padded(attention_mask)
         hidden = policy_hidden(self.adapter, self.policy, input_ids, labels, position_ids)  # [B, T, H]
-        targets = labels[:, 1:]  # position t predicts token t + 1
-        scored = targets != IGNORE_INDEX  # [B, T-1]
-        logits = self.adapter.exit_logits(hidden[:, :-1][scored])  # [N, V]: only label positions
-        total = F.cross_entropy(logits.float(), targets[scored], reduction="sum")
-        denom = num_items_in_batch if num_items_in_batch is not None else scored.sum().clamp(min=1)
+        total, scored = next_token_nll(hidden, labels, self.adapter.exit_logits)  # head on labels only
+        denom = num_items_in_batch if num_items_in_batch is not None else max(scored, 1)
         if isinstance(denom, torch.Tensor):
             denom = denom.to(total.device)
         return {"loss": total / denom}

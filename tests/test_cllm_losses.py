@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from cllm_train.config import CLLMConfig
-from cllm_train.dataset import build_examples, collate, draw_states, row_uniforms
-from cllm_train.losses import ar_loss, consistency_loss, consistency_positions, next_token_targets
+from cllm_train.dataset import build_examples, collate, draw_states, state_uniforms
+from cllm_train.losses import ar_loss, consistency_loss, consistency_positions
 from cllm_train.module import ConsistencyLM
 from cllm_train.records import first_mismatch, validate_record
 from fastdecode.config import ConfigError
+from fastdecode.tokens import next_token_targets
 
 
 def synthetic_records(prompts: int = 6, n: int = 4, seed: int = 0, labels: bool = True) -> list[dict]:
@@ -141,11 +142,11 @@ def test_state_draws_are_uniform_over_non_fixed_states_and_reproducible():
     draws = torch.stack([draw_states(mismatch, block_len, torch.full((3,), u / 400)) for u in range(400)])
     assert (draws[:200, 0] == 0).all() and (draws[200:, 0] == 1).all()  # two candidates: halves of [0, 1)
     assert (draws[:, 1] == -1).all() and (draws[:, 2] == 0).all()  # no non-fixed state / a single one
-    u = row_uniforms(0, 7, 0, range(3))
-    assert torch.equal(u, row_uniforms(0, 7, 0, range(3)))  # a pure function of its arguments
-    assert torch.equal(u[1:], row_uniforms(0, 7, 0, range(1, 3)))  # per row: micro-batching changes nothing
-    assert not torch.equal(u, row_uniforms(0, 8, 0, range(3))) and not torch.equal(
-        u, row_uniforms(0, 7, 1, range(3))
+    u = state_uniforms(0, 7, 0, range(3))
+    assert torch.equal(u, state_uniforms(0, 7, 0, range(3)))  # a pure function of its arguments
+    assert torch.equal(u[1:], state_uniforms(0, 7, 0, range(1, 3)))  # per row: micro-batching changes nothing
+    assert not torch.equal(u, state_uniforms(0, 8, 0, range(3))) and not torch.equal(
+        u, state_uniforms(0, 7, 1, range(3))
     )
     assert ((u >= 0) & (u < 1)).all()
 

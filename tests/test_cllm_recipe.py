@@ -185,7 +185,7 @@ def test_lora_adapters_train_merge_and_reload(tmp_path):
 
 def _no_model(monkeypatch):
     monkeypatch.setattr(
-        "fastdecode_recipes.cllm.load_model", lambda *a, **k: pytest.fail("model weights loaded")
+        "fastdecode_recipes.finetune.load_model", lambda *a, **k: pytest.fail("model weights loaded")
     )
 
 

@@ -13,7 +13,7 @@ import yaml
 from fastdecode.config import ConfigError, to_dataclass
 from fastdecode.data.chat import (
     IGNORE_INDEX,
-    additive_mask,
+    additive_from_bool,
     block_causal_mask,
     build_datasets,
     collate,
@@ -314,7 +314,7 @@ def test_packed_logits_match_unpacked_in_tiny_llama():
 
 def test_additive_mask_values():
     mask = block_causal_mask(torch.tensor([[0, 1, 0, 1, 2]]))
-    add = additive_mask(mask, torch.bfloat16)
+    add = additive_from_bool(mask, torch.bfloat16)
     assert add.dtype == torch.bfloat16 and (add[mask] == 0).all()
     assert (add[~mask] == torch.finfo(torch.bfloat16).min).all()
     assert not mask[0, 0, 2, 1] and mask[0, 0, 4, 2] and not mask[0, 0, 3, 4]

@@ -43,7 +43,7 @@ def _positions(batch: int, length: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------
 # Rates, layer selection, draws
 def test_exp_rate_table_matches_paper():
-    rates = dropout_rates(0.2, 32, ":", "exp", "constant", step=0)
+    rates = dropout_rates(0.2, 32, ":", scale="exp", time_scale="constant", step=0)
     assert [round(rates[i], 3) for i in (0, 8, 16, 24, 31)] == [0.0, 0.039, 0.086, 0.142, 0.2]
 
 
@@ -58,7 +58,7 @@ def test_depth_and_time_scales():
     assert time_scale("exp", 50, 100) == pytest.approx(2**0.5 - 1)
     with pytest.raises(ConfigError, match="total_steps"):
         time_scale("exp", 5, None)
-    rates = dropout_rates(0.2, 4, "1::2", "linear", "exp", step=50, total_steps=100)
+    rates = dropout_rates(0.2, 4, "1::2", scale="linear", time_scale="exp", step=50, total_steps=100)
     assert rates == pytest.approx([0.0, 0.2 * (2**0.5 - 1) / 3, 0.0, 0.2 * (2**0.5 - 1)])
 
 
@@ -138,7 +138,7 @@ def test_drop_mask_is_a_function_of_seed_and_step_only():
     assert not torch.equal(a, drop_mask(rates, 64, seed=8, step=11))
     assert not torch.equal(a, drop_mask(rates, 64, seed=7, step=11, micro_step=1))
     assert not torch.equal(a, drop_mask(rates, 64, seed=7, step=11, rank=1))
-    freq = torch.stack([drop_mask(rates, 256, 0, s) for s in range(20)]).float().mean((0, 2))
+    freq = torch.stack([drop_mask(rates, 256, seed=0, step=s) for s in range(20)]).float().mean((0, 2))
     assert freq.tolist() == pytest.approx(rates, abs=0.03)
 
 
@@ -235,7 +235,8 @@ def test_chunked_exit_loss_equals_naive_loss_and_gradients(tiny_llama, num_items
     inputs = [*hiddens.values(), *params]
     ref = _naive_loss(m, hiddens, labels, weights, num_items, distill)
     ref_grads = torch.autograd.grad(ref, inputs)
-    out = early_exit_loss(m, hiddens, labels, weights, num_items, chunk_size=7, distill=distill)  # 7 ∤ 30
+    # chunk_size 7 does not divide the 30 label tokens: a ragged last chunk
+    out = early_exit_loss(m, hiddens, labels, weights, num_items=num_items, chunk_size=7, distill=distill)
     grads = torch.autograd.grad(out.loss, inputs)
     assert out.num_tokens == 30
     assert out.loss.item() == pytest.approx(ref.item(), abs=TOL)
@@ -306,7 +307,7 @@ def test_layer_dropout_equals_per_row_reference_and_skips_compute(tiny_llama):
         for i, layer in enumerate(m.layers)
     ]
     try:
-        out = run_with_layer_dropout(m, m.embed(ids, pos), pos, mask, drops, exit_layers={1, 3})
+        out = run_with_layer_dropout(m, m.embed(ids, pos), pos, mask, drops=drops, exit_layers={1, 3})
     finally:
         for h in hooks:
             h.remove()
@@ -331,7 +332,7 @@ def test_layer_dropout_gradients_equal_per_row_reference(tiny_llama):
     drops = torch.tensor([[0, 1, 0], [1, 1, 0], [0, 0, 0], [1, 0, 1]], dtype=torch.bool)
     params = [p for p in model.parameters() if p.requires_grad]
     weights = [0.3, 0.7]
-    hiddens = run_with_layer_dropout(m, m.embed(ids, pos), pos, mask, drops, exit_layers=[1, 3])
+    hiddens = run_with_layer_dropout(m, m.embed(ids, pos), pos, mask, drops=drops, exit_layers=[1, 3])
     loss = early_exit_loss(m, hiddens, labels, weights, num_items=40).loss
     grads = torch.autograd.grad(loss, params)
     ref = 0.0
@@ -375,7 +376,7 @@ def test_every_block_gets_gradient_in_a_full_early_exit_step(tiny_llama):
     pos = _positions(2, 12)
     exits = list(range(m.num_layers))
     drops = drop_mask(dropout_rates(0.0, m.num_layers), 2, seed=0, step=0)
-    hiddens = run_with_layer_dropout(m, m.embed(ids, pos), pos, None, drops, exits)
+    hiddens = run_with_layer_dropout(m, m.embed(ids, pos), pos, None, drops=drops, exit_layers=exits)
     early_exit_loss(m, hiddens, ids, scale_weights("uniform", exits, m.num_layers)).loss.backward()
     for i, layer in enumerate(m.layers):
         for name, p in layer.named_parameters():
@@ -400,8 +401,8 @@ def test_last_exit_only_equals_plain_causal_lm_fine_tuning(tiny_llama, num_items
     m = EarlyExitModel(model)
     mask = attention_mask(valid, 0, ids.shape[1], torch.float32)
     drops = drop_mask([0.0] * m.num_layers, 3, seed=1, step=0)
-    hiddens = run_with_layer_dropout(m, m.embed(ids, pos), pos, mask, drops)  # last exit only
-    out = early_exit_loss(m, hiddens, labels, [1.0], num_items, chunk_size=5)
+    hiddens = run_with_layer_dropout(m, m.embed(ids, pos), pos, mask, drops=drops)  # last exit only
+    out = early_exit_loss(m, hiddens, labels, [1.0], num_items=num_items, chunk_size=5)
     grads = torch.autograd.grad(out.loss, params)
     assert out.loss.item() == pytest.approx(ref.item(), abs=TOL)
     for p, g, r in zip(params, grads, ref_grads, strict=True):
@@ -417,7 +418,7 @@ def test_layer_skipped_by_every_row_gets_zero_gradient_with_touch(tiny_llama):
     skipped = list(m.layers[1].parameters())
     results = {}
     for touch in (False, True):
-        hiddens = run_with_layer_dropout(m, m.embed(ids, pos), pos, None, drops, touch_skipped=touch)
+        hiddens = run_with_layer_dropout(m, m.embed(ids, pos), pos, None, drops=drops, touch_skipped=touch)
         loss = early_exit_loss(m, hiddens, ids, [1.0]).loss
         results[touch] = loss.item()
         grads = torch.autograd.grad(loss, skipped, allow_unused=True)
@@ -450,7 +451,7 @@ class Step(nn.Module):  # the loss is computed inside the DDP-wrapped forward
     def forward(self, ids, drops):
         pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
         hidden = self.m.embed(ids, pos)
-        hid = run_with_layer_dropout(self.m, hidden, pos, None, drops, touch_skipped=self.touch)
+        hid = run_with_layer_dropout(self.m, hidden, pos, None, drops=drops, touch_skipped=self.touch)
         return early_exit_loss(self.m, hid, ids, [1.0]).loss
 
 
@@ -516,7 +517,7 @@ def test_token_fraction_is_an_unbiased_estimate_of_the_exit_loss(tiny_llama):
     ids = _ids(2, 24, seed=7)
     pos = _positions(2, 24)
     with torch.no_grad():
-        hiddens = run_with_layer_dropout(m, m.embed(ids, pos), pos, None, None, [0, 1, 3])
+        hiddens = run_with_layer_dropout(m, m.embed(ids, pos), pos, exit_layers=[0, 1, 3])
         exact = early_exit_loss(m, hiddens, ids, [0.3, 0.3, 0.4]).loss.item()
         same = early_exit_loss(m, hiddens, ids, [0.3, 0.3, 0.4], token_fraction=1.0).loss.item()
         gen = torch.Generator().manual_seed(0)

@@ -58,6 +58,7 @@ def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
     assert Path(summary["draft_vocab"]).parent == Path(summary["checkpoint"]) and vocab["size"] == 8
     assert 4 in vocab["ids"]  # EOS (a special token) is always draftable
     assert summary["export_check"]["abs_diff"] < 1e-4  # saved weights reproduce the live model
+    assert summary["metrics"]["eval_loss/exit_4"] > 0  # evaluation logs the exit losses too (the last one)
     reloaded = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
     exit_e = GenerationConfig.from_pretrained(summary["checkpoint"]).assistant_early_exit
     assert exit_e == summary["recommended_exit"]["exit"] == 2

@@ -201,7 +201,20 @@ def test_token_match_and_oracle_statistics():
     out.record([2], 4, [2])
     out.record([4], 4, [4])
     out.record([0], 0, [0])  # the budget's last round drafts nothing: not an oracle sample
-    report = oracle_report([Record("s", 0, 0.0, 1, 0, ["p"], out, 1.0, None, None, True)])["s"]
+    record = Record(
+        method="s",
+        repeat=0,
+        temperature=0.0,
+        batch_size=1,
+        batch=0,
+        prompt_ids=["p"],
+        out=out,
+        wall_time_s=1.0,
+        ttft_s=None,
+        peak_memory_mb=None,
+        counters=True,
+    )
+    report = oracle_report([record])["s"]
     assert report["verifications"] == 2 and report["histogram"] == {2: 1, 4: 1}
     assert report["draft_cap"] == 4 and report["capped_fraction"] == 0.5 and report["mean"] == 3.0
 

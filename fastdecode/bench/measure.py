@@ -113,17 +113,17 @@ def run_batch(
         out, seconds, memory = timed(runner, ids, job.max_new_tokens, temperature, seed, device)
         records.append(
             Record(
-                m.name,
-                repeat,
-                temperature,
-                size,
-                index,
-                [pid for pid, _ in group],
-                out,
-                seconds,
-                ttft,
-                memory,
-                runner.counters,
+                method=m.name,
+                repeat=repeat,
+                temperature=temperature,
+                batch_size=size,
+                batch=index,
+                prompt_ids=[pid for pid, _ in group],
+                out=out,
+                wall_time_s=seconds,
+                ttft_s=ttft,
+                peak_memory_mb=memory,
+                counters=runner.counters,
             )
         )
     return records

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from fastdecode.decoding import DecodeOutput
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Record:
     """One timed call of one method on one batch of prompts."""
 

@@ -19,9 +19,11 @@ import torch
 from fastdecode.config import ConfigError
 from fastdecode.data.config import DataConfig, check_trainable
 from fastdecode.data.sources import read_records, split_records
+from fastdecode.tokens import IGNORE_INDEX
 
 __all__ = [
-    "additive_mask",
+    "IGNORE_INDEX",
+    "additive_from_bool",
     "block_causal_mask",
     "build_datasets",
     "collate",
@@ -31,7 +33,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-IGNORE_INDEX = -100
 _MARGIN = 64  # characters: tokens this close to a cut in the text may differ from the full tokenization
 
 
@@ -161,8 +162,9 @@ def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Bool mask (True = attend) -> float mask to add to attention scores: 0 or the dtype's minimum."""
+def additive_from_bool(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Bool mask of any shape (True = attend) -> the same shape as a float mask to add to attention scores:
+    0 or the dtype's minimum. Converts values only: causality must already be in ``mask``."""
     out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     return out.masked_fill(~mask, torch.finfo(dtype).min)
 
@@ -194,7 +196,7 @@ def collate(
     if four_d is None:
         four_d = any(len(ex.get("seq_lens") or [0]) > 1 for ex in examples)
     if four_d:
-        batch["attention_mask"] = additive_mask(block_causal_mask(batch["position_ids"]), mask_dtype)
+        batch["attention_mask"] = additive_from_bool(block_causal_mask(batch["position_ids"]), mask_dtype)
     else:
         batch["attention_mask"] = torch.tensor(pad_mask, dtype=torch.long)
     return batch

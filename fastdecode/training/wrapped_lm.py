@@ -1,4 +1,4 @@
-"""``WrappedLM``: the base of the modules a Trainer trains around a HF causal LM (LayerSkip, SkipDecode).
+"""``WrappedLM``: the base of the modules a Trainer trains around a HF causal LM (LayerSkip, CLLM, SkipDecode).
 
 Why a wrapper module: under DDP and DeepSpeed the loss must be computed inside the forward of the wrapped
 module, or the gradient reducer is bypassed and ranks silently train apart. So a method's forward (layer
@@ -8,10 +8,28 @@ subclass like any model. This base owns what every such wrapper needs to save, r
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from fastdecode.cache import attention_mask
 from fastdecode.model import EarlyExitModel
+
+__all__ = ["WrappedLM", "causal_mask_from_padding"]
+
+
+def causal_mask_from_padding(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A collator's mask as the adapter's layers want it: ``[B, T]`` 0/1 (or bool) padding mask -> additive
+    causal ``[B, 1, T, T]`` of ``dtype``; a 4D mask (packed rows, already block-causal) is returned as is.
+
+    A 2D mask without padding becomes None, so SDPA runs its causal kernel. (Unlike
+    ``fastdecode.data.chat.additive_from_bool``, which converts a mask's values only, this adds causality.)
+    """
+    if mask is None or mask.dim() == 4:
+        return mask
+    if bool(mask.all()):
+        return None
+    return attention_mask(mask.bool(), 0, mask.shape[1], dtype)
 
 
 class WrappedLM(nn.Module):

@@ -1,0 +1,82 @@
+"""Per-component losses in the Trainer's logs, training and evaluation alike.
+
+A method's loss has parts worth watching (LayerSkip: the cross-entropy of every exit; CLLM: consistency and
+AR). The module returns them next to ``loss``; ``ComponentLogsMixin`` averages them over the calls since
+the last log and adds the means to it: ``loss/exit_4`` in a training log, ``eval_loss/exit_4`` in the
+metrics of ``evaluate()`` (and so in its log line and its return value).
+
+The means are this process's own (rank 0 logs), as the Trainer's ``loss`` between two logs is.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["ComponentLogsMixin", "RunningMeans"]
+
+
+class RunningMeans:
+    """Sums and counts of named scalars; ``pop`` returns their means and starts over."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = defaultdict(float)
+        self._counts: dict[str, int] = defaultdict(int)
+
+    def add(self, values: Mapping[str, float | torch.Tensor]) -> None:
+        for name, value in values.items():
+            self._sums[name] += float(value)
+            self._counts[name] += 1
+
+    def pop(self) -> dict[str, float]:
+        """``{name: mean}`` rounded to 4 digits (as the Trainer rounds ``loss``); empty when nothing was added."""
+        means = {name: round(total / self._counts[name], 4) for name, total in self._sums.items()}
+        self._sums.clear()
+        self._counts.clear()
+        return means
+
+
+class ComponentLogsMixin:
+    """Mix into a ``transformers.Trainer`` subclass (before ``Trainer`` in the bases).
+
+    The subclass says which module outputs to log under which names by overriding ``loss_components``.
+    ``compute_loss`` collects them (training and evaluation apart), ``log`` adds the training means to each
+    training log, ``evaluation_loop`` adds the evaluation means to its metrics with the metric prefix.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._component_means = {"train": RunningMeans(), "eval": RunningMeans()}
+
+    def loss_components(self, outputs: Mapping[str, Any]) -> dict[str, float | torch.Tensor]:
+        """``{logged name: scalar}`` from the module's outputs of one call (override)."""
+        raise NotImplementedError
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        self._component_means["train" if model.training else "eval"].add(self.loss_components(outputs))
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log (evaluation metrics are prefixed): the means since the last one
+            logs.update(self._component_means["train"].pop())
+        super().log(logs, start_time)
+
+    def evaluation_loop(
+        self,
+        dataloader,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ):
+        self._component_means["eval"].pop()  # nothing from an earlier, interrupted evaluation
+        output = super().evaluation_loop(
+            dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+        )
+        means = self._component_means["eval"].pop()
+        output.metrics.update({f"{metric_key_prefix}_{name}": value for name, value in means.items()})
+        return output

@@ -1,0 +1,178 @@
+"""The step sequence every fine-tuning recipe runs, written once; a recipe supplies only what is its own.
+
+``finetune(job, cfg, recipe)``: DeepSpeed batch check -> seed -> ``recipe.prepare`` (work that must fail
+before the weights load) -> load the model -> ``recipe.validate`` -> ``recipe.datasets`` -> resolved config
+-> ``recipe.before_report`` (main process) -> ``TrainingArguments`` -> LoRA (``peft`` group) ->
+``recipe.module`` -> ``recipe.trainer_class`` -> train (+ evaluate on the eval set) -> probe loss of the live
+model -> export (plain HF directory, LoRA merged) -> the export checked against the live model ->
+``recipe.after_report`` -> ``recipe.extra_files`` -> ``summary.json``. The last four run on rank 0 only.
+
+``Recipe``'s defaults are plain supervised fine-tuning (``recipe=sft``): the HF model computes its own
+causal-LM loss from ``labels``, the plain ``Trainer``, chat collation. A new method subclasses ``Recipe`` and
+overrides what differs (usually ``module`` and ``trainer_class``, and its reports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel, Trainer, TrainingArguments, set_seed
+
+from fastdecode.data.chat import build_datasets, collate
+from fastdecode.distributed import is_main_process
+from fastdecode.io import atomic_write_json, save_resolved_config
+from fastdecode.loading import load_model
+from fastdecode_recipes.common import (
+    TrainJob,
+    apply_peft,
+    check_deepspeed_batch,
+    compare_export,
+    export_checkpoint,
+    probe_loss,
+    resolve_resume,
+    training_arguments,
+)
+
+log = logging.getLogger(__name__)
+
+Collator = Callable[[list[dict]], dict[str, torch.Tensor]]
+
+
+@dataclasses.dataclass(kw_only=True)
+class FinetuneRun:
+    """What ``finetune`` produced, handed to the after-training hooks and returned to the caller."""
+
+    job: TrainJob
+    out: Path  # the run directory (``job.output_dir``); the checkpoint is ``out / "final"``
+    model: PreTrainedModel  # the live, trained HF model (a peft model with LoRA: adapters not merged)
+    tokenizer: Any
+    train: list[dict]
+    held_out: list[dict]
+    args: TrainingArguments
+    trainer: Trainer
+    before: Any = None  # ``recipe.before_report``'s result (main process), else None
+    final: PreTrainedModel | None = None  # the exported checkpoint as a model (rank 0), else None
+    summary: dict = dataclasses.field(default_factory=dict)
+
+
+class Recipe:
+    """A fine-tuning method as ``finetune`` sees it; every method has a working default (plain SFT).
+
+    Hooks run in the order of the module docstring. State a hook computes for a later one (a policy, the
+    report's examples) lives on the instance.
+    """
+
+    trainer_class: type[Trainer] = Trainer
+
+    def __init__(self, job: TrainJob) -> None:
+        self.job = job
+
+    def prepare(self) -> None:
+        """Checks and loading that must happen before the weights load (they fail fast, or avoid a load)."""
+
+    def validate(self, model: PreTrainedModel) -> None:
+        """Check the recipe config against the loaded model, before any data work."""
+
+    def datasets(self, tokenizer: Any) -> tuple[list[dict], list[dict]]:
+        """``(train, held_out)`` examples; held-out examples feed the eval set and the reports."""
+        return build_datasets(self.job.data, tokenizer)
+
+    def eval_dataset(self, held_out: list[dict]) -> list[dict] | None:
+        """The Trainer's eval set (None: no evaluation); its first rows also form the export probe."""
+        return held_out or None
+
+    def collator(self, tokenizer: Any, model: PreTrainedModel) -> Collator:
+        """Batches of examples -> model inputs (``[B, T]`` tensors)."""
+        return functools.partial(collate, pad_id=tokenizer.pad_token_id, mask_dtype=model.dtype)
+
+    def module(self, model: PreTrainedModel, args: TrainingArguments) -> nn.Module:
+        """The module the Trainer trains around ``model`` (its forward returns ``{"loss": ...}``).
+
+        Also rebuilt around the exported checkpoint to check it, so it must not depend on training state.
+        """
+        return model
+
+    def trainer_kwargs(self, tokenizer: Any) -> dict[str, Any]:
+        """Extra keyword arguments of ``trainer_class``."""
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        """Summary fields known before training (they follow ``checkpoint`` and ``metrics``)."""
+        return {}
+
+    def before_report(self, model: PreTrainedModel, tokenizer: Any, held_out: list[dict]) -> Any:
+        """A measurement of the untrained model (main process only), passed on as ``run.before``."""
+        return None
+
+    def after_report(self, run: FinetuneRun) -> dict[str, Any]:
+        """The measurement of the exported model (rank 0): summary fields."""
+        return {}
+
+    def extra_files(self, run: FinetuneRun) -> dict[str, Any]:
+        """Files written next to the checkpoint (rank 0, after the report): summary fields."""
+        return {}
+
+
+def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
+    """Run the sequence of the module docstring; every rank calls it. ``cfg``: the composed config, saved
+    next to the outputs (None: not saved)."""
+    check_deepspeed_batch(job)
+    set_seed(job.seed)
+    recipe.prepare()
+    model, tokenizer = load_model(job.model)
+    recipe.validate(model)
+    train, held_out = recipe.datasets(tokenizer)
+    out = Path(job.output_dir)
+    if cfg is not None:
+        save_resolved_config(cfg, out)
+    before = recipe.before_report(model, tokenizer, held_out) if is_main_process() else None
+    args = training_arguments(job, prediction_loss_only=True)
+    model = apply_peft(model, job.peft, args.gradient_checkpointing)
+    eval_set, collator = recipe.eval_dataset(held_out), recipe.collator(tokenizer, model)
+    trainer = recipe.trainer_class(
+        model=recipe.module(model, args),
+        args=args,
+        train_dataset=train,
+        eval_dataset=eval_set,
+        data_collator=collator,
+        **recipe.trainer_kwargs(tokenizer),
+    )
+    result = trainer.train(resume_from_checkpoint=resolve_resume(job))
+    metrics = dict(result.metrics) | (trainer.evaluate() if eval_set else {})
+    run = FinetuneRun(
+        job=job,
+        out=out,
+        model=model,
+        tokenizer=tokenizer,
+        train=train,
+        held_out=held_out,
+        args=args,
+        trainer=trainer,
+        before=before,
+    )
+    run.summary = {"checkpoint": str(out / "final"), "metrics": metrics} | recipe.summary()
+    probe = collator((eval_set or train)[:2])
+    live_loss = probe_loss(trainer, probe)  # every rank: ZeRO-3 gathers the partitions for this forward
+    run.final = export_checkpoint(trainer, model, tokenizer, job.peft, out / "final")
+    if run.final is not None:  # rank 0
+        run.summary["export_check"] = _check_export(recipe, run, probe, live_loss)
+        run.summary |= recipe.after_report(run)
+        run.summary |= recipe.extra_files(run)
+        atomic_write_json(out / "summary.json", run.summary)
+        log.info("%s: checkpoint %s, metrics %s", job.recipe["name"], out / "final", metrics)
+    return run
+
+
+def _check_export(recipe: Recipe, run: FinetuneRun, probe: dict, live_loss: float) -> dict:
+    """The exported checkpoint, inside the recipe's own module, must reproduce the live model's loss on the
+    probe batch (catches partial ZeRO-3 saves and lost LoRA merges)."""
+    with torch.no_grad():
+        saved = float(recipe.module(run.final, run.args).eval()(**probe)["loss"])
+    return compare_export(saved, live_loss, run.model.dtype)

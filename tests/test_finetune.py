@@ -1,0 +1,144 @@
+"""The recipe step sequence (``fastdecode_recipes.finetune``) once, on tiny-llama; ``recipe=sft`` with LoRA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from transformers import AutoModelForCausalLM
+
+from fastdecode.config import CONFIG_DIR, ConfigError
+from fastdecode.loading import load_model
+from fastdecode_recipes.common import TrainJob, load_job
+from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
+from fastdecode_recipes.sft import SFT
+from tests.test_layerskip_recipe import write_chat_jsonl
+
+
+def _job(tmp_path: Path, *extra: str) -> tuple[TrainJob, object]:
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 16)
+    overrides = [
+        "recipe=sft",
+        "model=tiny-llama",
+        "data=jsonl",
+        f"data.path={data}",
+        "data.held_out=2",
+        "trainer.max_steps=2",
+        "trainer.save_steps=2",
+        "trainer.logging_steps=1",
+        "trainer.warmup_steps=0",
+        f"output_dir={tmp_path / 'run'}",
+        *extra,
+    ]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    return load_job(cfg), cfg
+
+
+class Recording(Recipe):
+    """The default (SFT) recipe, every hook recorded, each after-training hook adding a summary field."""
+
+    def __init__(self, job: TrainJob) -> None:
+        super().__init__(job)
+        self.calls: list[str] = []
+
+    def prepare(self) -> None:
+        self.calls.append("prepare")
+
+    def validate(self, model) -> None:
+        self.calls.append("validate")
+        assert not hasattr(model, "peft_config")  # before LoRA and before the data
+
+    def datasets(self, tokenizer):
+        self.calls.append("datasets")
+        return super().datasets(tokenizer)
+
+    def module(self, model, args):
+        self.calls.append("module")
+        return super().module(model, args)
+
+    def summary(self) -> dict:
+        self.calls.append("summary")
+        return {"known_before": 1}
+
+    def before_report(self, model, tokenizer, held_out):
+        self.calls.append("before_report")
+        return {"held_out": len(held_out)}
+
+    def after_report(self, run: FinetuneRun) -> dict:
+        self.calls.append("after_report")
+        assert run.final is not None  # rank 0, after the export
+        return {"after": {"before": run.before}}
+
+    def extra_files(self, run: FinetuneRun) -> dict:
+        self.calls.append("extra_files")
+        path = run.out / "final" / "extra.json"
+        path.write_text("{}")
+        return {"extra": str(path)}
+
+
+def test_finetune_runs_the_hooks_in_order_and_writes_the_summary(tmp_path):
+    job, cfg = _job(tmp_path, "trainer.max_steps=1")
+    recipe = Recording(job)
+    run = finetune(job, cfg, recipe)
+    assert recipe.calls == [
+        "prepare",
+        "validate",
+        "datasets",
+        "before_report",
+        "module",  # the module the Trainer trains
+        "summary",
+        "module",  # the same module around the exported checkpoint: the export check
+        "after_report",
+        "extra_files",
+    ]
+    out = tmp_path / "run"
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved == run.summary
+    assert list(saved) == ["checkpoint", "metrics", "known_before", "export_check", "after", "extra"]
+    assert saved["after"] == {"before": {"held_out": 2}}  # before_report's result reaches after_report
+    assert saved["export_check"]["abs_diff"] < 1e-4
+    assert saved["metrics"]["train_loss"] > 0 and "eval_loss" in saved["metrics"]
+    assert (out / "config.yaml").is_file() and Path(saved["extra"]).is_file()
+    assert isinstance(run.final, torch.nn.Module) and run.trainer.state.global_step == 1
+
+
+def _lora_layout(name: str) -> str:
+    """A LoRA-wrapped base parameter's name as the plain model names it."""
+    return name.replace(".base_layer", "")
+
+
+def test_sft_with_lora_trains_only_the_adapters_and_exports_the_merged_model(tmp_path):
+    job, cfg = _job(tmp_path, "peft=lora", "peft.r=4", "trainer.learning_rate=1e-2")
+    run = finetune(job, cfg, SFT(job))
+    live = dict(run.model.get_base_model().named_parameters())
+    adapters = {n: p for n, p in live.items() if "lora_" in n}
+    frozen = {_lora_layout(n): p for n, p in live.items() if "lora_" not in n}
+    base = dict(load_model(job.model)[0].named_parameters())  # the same seeded random init
+    assert adapters and frozen.keys() == base.keys()
+    assert all(torch.equal(p, base[n]) for n, p in frozen.items())  # base weights bitwise unchanged
+    assert not any(p.requires_grad for p in frozen.values())
+    trained = [n for n, p in adapters.items() if n.endswith("lora_B.default.weight") and p.abs().sum() > 0]
+    assert trained  # lora_B starts at zero: it moved, so the adapters trained (and are not merged live)
+    assert run.summary["export_check"]["abs_diff"] < 1e-4
+    merged = AutoModelForCausalLM.from_pretrained(run.summary["checkpoint"])
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    ids = torch.tensor([[3, 40, 50, 60, 70]])
+    with torch.no_grad():
+        want = run.model.eval()(input_ids=ids).logits
+        assert torch.allclose(merged(input_ids=ids).logits, want, atol=1e-4)  # merged == live LoRA model
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == run.summary
+
+
+def test_sft_checks_the_deepspeed_batch_before_loading(tmp_path, monkeypatch):
+    import fastdecode_recipes
+
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"train_batch_size": 999, "zero_optimization": {"stage": 2}}))
+    _, cfg = _job(tmp_path, f"deepspeed.config_file={bad}")
+    monkeypatch.setattr("fastdecode_recipes.finetune.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    with pytest.raises(ConfigError, match=r"train_batch_size=999 but micro batch"):
+        fastdecode_recipes.run(cfg)
