@@ -27,13 +27,13 @@ from fastdecode.config import ModelConfig, load_group  # noqa: E402
 from fastdecode.loading import load_model  # noqa: E402
 
 RECIPES = {
-    # LayerSkip as in the paper/torchtune defaults: rotational exits over every layer, exp dropout 0.1.
+    # The recipe's default: strided exits over every layer (every 4th layer a step), exp dropout 0.1.
     "layerskip": {},
     # The tuned CPU experiment: three exits, self-distillation.
     "layerskip-3exits-distill": {
         "early_exit_loss": {"layers": "9,18,24", "curriculum": "none", "distill": 1.0},
     },
-    # Rotational exits, each non-final exit scored on a random quarter of the tokens (unbiased estimate).
+    # Strided exits, each non-final exit scored on a random quarter of the tokens (unbiased estimate).
     "layerskip-fraction0.25": {"early_exit_loss": {"token_fraction": 0.25}},
 }
 

@@ -39,7 +39,8 @@ _SCALES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "inv_l": torch.reciprocal,
     "inv_sqrt_l": torch.rsqrt,
 }
-CURRICULA = ("none", "rotational", "gradual")
+CURRICULA = ("none", "rotational", "strided", "gradual")
+CURRICULUM_ALIASES = {"rot": "rotational"}  # torchtune's EarlyExitCurriculumType value
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -74,24 +75,51 @@ def active_exits(
     num_layers: int,
     step: int,
     total_steps: int | None = None,
-    rotation: int = 4,
+    stride: int = 4,
 ) -> list[int]:
-    """Exits trained at optimiser step ``step``: a subset of ``candidate_layers`` plus the last layer, sorted.
+    """Exits trained at optimiser step ``step`` (0-based: the first step is 0), sorted; the last is always in.
 
-    ``none``: every candidate. ``rotational``: candidate ``l`` iff ``(l - step) mod rotation == 0``.
-    ``gradual``: candidate ``l`` iff ``step / total_steps >= 0.5 * (L - l) / L`` (deepest exits first, layer
-    0 from half-way on). The last layer ``L - 1`` (the model's own output) is always active. Being a pure
-    function of the global step, the curriculum resumes exactly.
+    Numbering: ``candidate_layers`` (``early_exit_loss.layers``) and the result are 0-based blocks, "exit
+    after block ``l``"; block ``L - 1`` is the model's own output. The trainer logs exit ``l`` as
+    ``loss/exit_{l + 1}`` (``E = l + 1`` blocks run), the same ``E`` as ``recipe.exit_layer`` and
+    ``generation_config.assistant_early_exit``: ``layers: "9,18,24"`` logs ``loss/exit_10``,
+    ``loss/exit_19``, ``loss/exit_25`` and ``loss/exit_L``. (torchtune's ``TransformerDecoder`` records the
+    hidden state *entering* block ``i`` for its index ``i``, one block less, which leaves its last block
+    without gradient; the curricula below act on indices alone, so their masks are the same.)
+
+    - ``none``: every candidate.
+    - ``rotational`` (torchtune's ``RotationalEarlyExitCurriculum``, also spelt ``rot`` as there): the
+      candidate mask over the ``L`` layers rolled by one layer per optimiser step, with wrap-around
+      (``np.roll(mask, step)``): exit ``(l + step) mod L`` for each candidate ``l``. ``"0::4"`` trains
+      {0, 4, 8, ...} at step 0 and {1, 5, 9, ...} at step 1; ``":"`` trains every exit at every step.
+      A candidate ``L - 1`` rolls on to layer 0 like any other (torchtune forces the last layer on in
+      ``get()``, on a copy, so the forced bit never rolls).
+    - ``strided`` (fastdecode's own, no torchtune counterpart): candidate ``l`` iff
+      ``(l - step) mod stride == 0``; ``":"`` with stride 4 trains about ``L / 4`` exits a step. Over
+      sparse candidates it can leave steps with only the last exit (``"9,18,24"``, stride 4: every
+      fourth step).
+    - ``gradual``: candidate ``l`` iff ``step / total_steps >= 0.5 * (L - l) / L`` (deepest exits first,
+      layer 0 from half-way on). It differs from torchtune's ``GradualEarlyExitCurriculum`` in two ways:
+      torchtune restarts it from the last layer alone on resume (it resets its step counter), and its
+      ``step()`` tests the fraction before counting the step, so each exit joins there one optimiser step
+      later than here.
+
+    Every curriculum is a pure function of the global step, so a resumed run trains exactly the exits the
+    uninterrupted run would have (torchtune's resume restarts its curricula: the rotational mask from its
+    initial position, the gradual one from the last layer alone).
     """
+    curriculum = CURRICULUM_ALIASES.get(curriculum, curriculum)
     if curriculum not in CURRICULA:
         raise unknown_name_error("early exit curriculum", curriculum, list(CURRICULA))
     last = num_layers - 1
     if curriculum == "none":
         chosen = set(candidate_layers)
     elif curriculum == "rotational":
-        if rotation < 1:
-            raise ConfigError(f"rotational curriculum needs rotation >= 1, got {rotation}.")
-        chosen = {layer for layer in candidate_layers if (layer - step) % rotation == 0}
+        chosen = {(layer + step) % num_layers for layer in candidate_layers}
+    elif curriculum == "strided":
+        if stride < 1:
+            raise ConfigError(f"strided curriculum needs stride >= 1, got {stride}.")
+        chosen = {layer for layer in candidate_layers if (layer - step) % stride == 0}
     else:
         if total_steps is None or total_steps <= 0:
             raise ConfigError(f"gradual curriculum needs total_steps > 0, got {total_steps}.")

@@ -52,10 +52,13 @@ class EarlyExitLM(WrappedLM):
         self.drop_layers = parse_layers(cfg.layer_dropout.layers, num_layers)
 
     def exits_at(self, step: int) -> list[int]:
-        """Active exits (0-based blocks) at optimiser step ``step``: a pure function of the step."""
+        """Active exits (0-based blocks, logged as ``loss/exit_{l + 1}``) at optimiser step ``step``.
+
+        A pure function of the step (``early_exit_loss.active_exits``), so resuming repeats it exactly.
+        """
         ee = self.cfg.early_exit_loss
         return active_exits(
-            ee.curriculum, self.candidate_exits, self.adapter.num_layers, step, self.total_steps, ee.rotation
+            ee.curriculum, self.candidate_exits, self.adapter.num_layers, step, self.total_steps, ee.stride
         )
 
     def drops_at(self, step: int, micro_step: int, batch: int) -> torch.Tensor | None:

@@ -114,7 +114,7 @@ def test_parse_layers_errors_name_spec_index_and_range(spec, fragments):
         (lambda: depth_scale("expo", 4), ["exp", "linear", "uniform"]),
         (lambda: time_scale("linear", 0, 10), ["constant", "exp"]),
         (lambda: scale_weights("sum", [0, 3], 4), SCALE_FNS),
-        (lambda: active_exits("rotate", [0, 1], 4, 0), ["gradual", "none", "rotational"]),
+        (lambda: active_exits("rotate", [0, 1], 4, 0), ["gradual", "none", "rotational", "strided"]),
     ],
 )
 def test_unknown_names_list_the_choices(call, choices):
@@ -163,16 +163,19 @@ def test_weight_values_and_e_scale():
         scale_weights("uniform", [1, 3], 4, 0.0)
 
 
-def test_rotational_curriculum():
+def test_strided_curriculum():
+    """Ours (formerly spelt ``rotational`` + ``rotation``): candidate l iff (l - step) mod stride == 0."""
     all8 = list(range(8))
-    assert active_exits("rotational", all8, 8, step=0) == [0, 4, 7]
-    assert active_exits("rotational", all8, 8, step=1) == [1, 5, 7]
-    assert active_exits("rotational", all8, 8, step=2) == [2, 6, 7]
-    assert active_exits("rotational", all8, 8, step=3) == [3, 7]
-    assert active_exits("rotational", all8, 8, step=5) == [1, 5, 7]
-    assert active_exits("rotational", [1, 3, 5], 8, step=1) == [1, 5, 7]
-    assert active_exits("rotational", all8, 8, step=1, rotation=2) == [1, 3, 5, 7]
+    assert active_exits("strided", all8, 8, step=0) == [0, 4, 7]
+    assert active_exits("strided", all8, 8, step=1) == [1, 5, 7]
+    assert active_exits("strided", all8, 8, step=2) == [2, 6, 7]
+    assert active_exits("strided", all8, 8, step=3) == [3, 7]
+    assert active_exits("strided", all8, 8, step=5) == [1, 5, 7]
+    assert active_exits("strided", [1, 3, 5], 8, step=1) == [1, 5, 7]
+    assert active_exits("strided", all8, 8, step=1, stride=2) == [1, 3, 5, 7]
     assert active_exits("none", [2, 4], 8, step=9) == [2, 4, 7]
+    with pytest.raises(ConfigError, match="stride >= 1"):
+        active_exits("strided", all8, 8, step=0, stride=0)
 
 
 def test_gradual_curriculum():

@@ -71,7 +71,7 @@ def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
     logs = _history(run, 4)
     assert len(logs) == 4 and all("loss/exit_4" in h for h in logs)  # the last exit is always on
     rotated = [sorted(k for k in h if k.startswith("loss/exit_")) for h in logs]
-    assert rotated[0] != rotated[1]  # rotational curriculum: the active exits change per step
+    assert rotated[0] != rotated[1]  # the default strided curriculum: the active exits change per step
     # Plain transformers users get self-speculation from the saved generation config, losslessly.
     ids = torch.tensor([[3, 50, 60, 70, 80]])
     speculative = reloaded.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
@@ -96,12 +96,27 @@ def test_the_exit_choice_from_the_report_goes_into_generation_config(tmp_path, m
     assert saved == fake["exit"] == summary["recommended_exit"]["exit"]  # None: not written at all
 
 
-def test_resume_repeats_the_same_losses(tmp_path, monkeypatch):
+# torchtune's rotational curriculum on one candidate exit of the 4-layer model: exits {1,3} {2,3} {3} {0,3};
+# a curriculum restarted on resume (as torchtune's is) would train {1,3} again at step 2.
+ROTATIONAL_ONE_EXIT = ("recipe.early_exit_loss.curriculum=rotational", "recipe.early_exit_loss.layers='1'")
+
+
+@pytest.mark.parametrize("curriculum", [(), ROTATIONAL_ONE_EXIT], ids=["strided", "rotational"])
+def test_resume_repeats_the_same_losses(tmp_path, monkeypatch, curriculum):
     """N steps straight == N/2, crash, resume, N/2: same drops, same curriculum, same data order."""
     straight = tmp_path / "straight"
     straight.mkdir()
-    fastdecode_recipes.run(layerskip_cfg(straight, "recipe.report.enabled=false"))
-    expected = [round(h["loss"], 5) for h in _history(straight / "run", 4)]
+    fastdecode_recipes.run(layerskip_cfg(straight, "recipe.report.enabled=false", *curriculum))
+    history = _history(straight / "run", 4)
+    expected = [round(h["loss"], 5) for h in history]
+    expected_exits = [sorted(k for k in h if k.startswith("loss/exit_")) for h in history]
+    if curriculum:
+        assert expected_exits == [
+            ["loss/exit_2", "loss/exit_4"],
+            ["loss/exit_3", "loss/exit_4"],
+            ["loss/exit_4"],
+            ["loss/exit_1", "loss/exit_4"],
+        ]
 
     from layerskip_train.trainer import LayerSkipTrainer
 
@@ -116,13 +131,14 @@ def test_resume_repeats_the_same_losses(tmp_path, monkeypatch):
 
     monkeypatch.setattr(LayerSkipTrainer, "training_step", crash_after_checkpoint)
     with pytest.raises(KeyboardInterrupt):
-        fastdecode_recipes.run(layerskip_cfg(crashed, "recipe.report.enabled=false"))
+        fastdecode_recipes.run(layerskip_cfg(crashed, "recipe.report.enabled=false", *curriculum))
     monkeypatch.setattr(LayerSkipTrainer, "training_step", original)
     fastdecode_recipes.run(
-        layerskip_cfg(crashed, "recipe.report.enabled=false", "resume_from_checkpoint=auto")
+        layerskip_cfg(crashed, "recipe.report.enabled=false", "resume_from_checkpoint=auto", *curriculum)
     )
-    resumed = [round(h["loss"], 5) for h in _history(crashed / "run", 4)]
-    assert resumed == expected
+    resumed_history = _history(crashed / "run", 4)
+    assert [round(h["loss"], 5) for h in resumed_history] == expected
+    assert [sorted(k for k in h if k.startswith("loss/exit_")) for h in resumed_history] == expected_exits
 
 
 def test_lora_adapters_train_merge_and_reload(tmp_path):
@@ -153,6 +169,7 @@ def test_lora_adapters_train_merge_and_reload(tmp_path):
         ("recipe.layer_dropout.prob=-0.1", r"prob must be in \[0, 1\)"),
         ("recipe.early_exit_loss.scale_fn=log_l", r"Unknown early exit scale function 'log_l'.*Choices"),
         ("recipe.early_exit_loss.curriculum=cosine", r"Unknown curriculum 'cosine'.*rotational"),
+        ("recipe.early_exit_loss.rotation=4", r"rotation was renamed to recipe\.early_exit_loss\.stride"),
         ("recipe.layer_dropout.layers_scale=cubic", r"Unknown .*'cubic'.*exp"),
         ("recipe.report.data=sharegtp", r"Unknown recipe.report.data 'sharegtp'.*sharegpt"),
     ],
