@@ -50,7 +50,9 @@ def _history(run: Path, step: int) -> list[dict]:
 
 
 def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
-    summary = fastdecode_recipes.run(layerskip_cfg(tmp_path, "recipe.exit_layer=2", "recipe.draft_vocab_size=8"))
+    summary = fastdecode_recipes.run(
+        layerskip_cfg(tmp_path, "recipe.exit_layer=2", "recipe.draft_vocab_size=8")
+    )
     run = tmp_path / "run"
     vocab = json.loads(Path(summary["draft_vocab"]).read_text())  # the most frequent trained-on tokens
     assert Path(summary["draft_vocab"]).parent == Path(summary["checkpoint"]) and vocab["size"] == 8
@@ -115,13 +117,17 @@ def test_resume_repeats_the_same_losses(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         fastdecode_recipes.run(layerskip_cfg(crashed, "recipe.report.enabled=false"))
     monkeypatch.setattr(LayerSkipTrainer, "training_step", original)
-    fastdecode_recipes.run(layerskip_cfg(crashed, "recipe.report.enabled=false", "resume_from_checkpoint=auto"))
+    fastdecode_recipes.run(
+        layerskip_cfg(crashed, "recipe.report.enabled=false", "resume_from_checkpoint=auto")
+    )
     resumed = [round(h["loss"], 5) for h in _history(crashed / "run", 4)]
     assert resumed == expected
 
 
 def test_lora_adapters_train_merge_and_reload(tmp_path):
-    summary = fastdecode_recipes.run(layerskip_cfg(tmp_path, "peft=lora", "peft.r=4", "trainer.learning_rate=1e-2"))
+    summary = fastdecode_recipes.run(
+        layerskip_cfg(tmp_path, "peft=lora", "peft.r=4", "trainer.learning_rate=1e-2")
+    )
     assert summary["export_check"]["abs_diff"] < 1e-4  # merged weights reproduce the live LoRA model
     merged = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
     assert not any("lora" in name for name, _ in merged.named_parameters())
@@ -172,7 +178,9 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path):
     plain.mkdir()
     ckpt.mkdir()
     fastdecode_recipes.run(layerskip_cfg(plain, "recipe.report.enabled=false"))
-    fastdecode_recipes.run(layerskip_cfg(ckpt, "recipe.report.enabled=false", "+trainer.activation_checkpointing=true"))
+    fastdecode_recipes.run(
+        layerskip_cfg(ckpt, "recipe.report.enabled=false", "+trainer.activation_checkpointing=true")
+    )
     losses = [[round(h["loss"], 4) for h in _history(p / "run", 4)] for p in (plain, ckpt)]
     assert losses[0] == losses[1]
 
@@ -182,7 +190,9 @@ def test_wandb_without_credentials_logs_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    summary = fastdecode_recipes.run(layerskip_cfg(tmp_path, "recipe.report.enabled=false", "trainer.report_to=wandb"))
+    summary = fastdecode_recipes.run(
+        layerskip_cfg(tmp_path, "recipe.report.enabled=false", "trainer.report_to=wandb")
+    )
     import os
 
     assert os.environ["WANDB_MODE"] == "offline"
