@@ -39,7 +39,7 @@ IGNORE_INDEX = -100
 class SkipDecodePolicy:
     """A validated SkipDecode policy for a model of ``num_layers`` decoder layers.
 
-    ``keys`` is the config prefix used in error messages (``"recipe."``, ``"decoder.skip_"``).
+    ``keys`` is the config prefix used in error messages (``"recipe."``, ``"decoder.skip."``).
     """
 
     num_layers: int

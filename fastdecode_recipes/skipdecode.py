@@ -3,7 +3,7 @@
 model -> policy check -> (LoRA) -> data -> held-out perplexity under the policy (before) -> Trainer on
 ``SkipDecodeLM`` (final-layer CE, the policy run exactly in the forward) -> train -> export (verified against
 the live model under the policy) -> held-out perplexity (after) -> ``final/skipdecode.json``: the ``decoder``
-options (``skip_*`` DecodeConfig fields) that decode with the trained policy.
+options (``DecodeConfig.skip``) that decode with the trained policy.
 """
 
 from __future__ import annotations
@@ -38,12 +38,14 @@ log = logging.getLogger(__name__)
 
 
 def decoder_options(policy: SkipDecodePolicy) -> dict:
-    """The ``DecodeConfig`` fields that make ``decoder=skipdecode`` run ``policy``."""
+    """The ``DecodeConfig`` options (``skip``) that make ``decoder=skipdecode`` run ``policy``."""
     return {
-        "skip_max_budget": policy.max_budget,
-        "skip_min_budget": policy.min_budget,
-        "skip_warmup_layers": policy.warmup_layers,
-        "skip_max_length": policy.max_length,
+        "skip": {
+            "max_budget": policy.max_budget,
+            "min_budget": policy.min_budget,
+            "warmup_layers": policy.warmup_layers,
+            "max_length": policy.max_length,
+        }
     }
 
 
