@@ -1,9 +1,10 @@
-"""SkipDecode quality: ``python eval/skipdecode_quality.py [checkpoint=PATH] [skip.skip_max_budget=20 ...]``.
+"""SkipDecode quality: ``python eval/skipdecode_quality.py [checkpoint=PATH] [skip.max_budget=20 ...]``.
 
 Writes ``skipdecode_quality.json`` into ``output_dir``: ROUGE-L and exact match of the ``skipdecode`` decoder's
 greedy outputs against full-depth greedy decoding, layers per generated token of both, and the perplexity of
 held-out reference answers under the policy and at full depth (``fastdecode/skipdecode_report.py``). Speed is
-``eval/speed.py decoder=[autoregressive,skipdecode]``.
+``eval/speed.py decoder=[autoregressive,skipdecode]``. ``skip_file=<run>/final/skipdecode.json`` decodes with
+the policy a ``recipe=skipdecode`` run was trained with (files of either format: ``read_skip_options``).
 """
 
 from __future__ import annotations
@@ -24,20 +25,13 @@ from fastdecode.data.config import DataConfig  # noqa: E402
 
 
 @dataclasses.dataclass
-class SkipBudgets:
-    """The ``skip_*`` fields of ``DecodeConfig`` (null budgets: full depth)."""
-
-    skip_max_budget: int | None = None
-    skip_min_budget: int | None = None
-    skip_warmup_layers: int = 1
-    skip_max_length: int | None = None
-
-
-@dataclasses.dataclass
 class QualityJob:
     model: ModelConfig
     data: DataConfig
-    skip: SkipBudgets = dataclasses.field(default_factory=SkipBudgets)
+    # DecodeConfig.skip (fastdecode.decoding.SkipOptions), converted in run(): importing the decoders at the
+    # top would make --help and --cfg wait for torch and transformers.
+    skip: dict = dataclasses.field(default_factory=dict)
+    skip_file: str | None = None
     checkpoint: str | None = None
     prompts: int = 32
     max_new_tokens: int = 64
@@ -48,14 +42,16 @@ class QualityJob:
 def run(cfg: Any) -> dict:
     """Decode the held-out prompts both ways, score, write and return the report."""
     from fastdecode.data.chat import build_datasets
-    from fastdecode.decoding import DecodeConfig
+    from fastdecode.decoding import DecodeConfig, SkipOptions
+    from fastdecode.decoding.skipdecode import read_skip_options
     from fastdecode.io import atomic_write_json
     from fastdecode.loading import load_model
     from fastdecode.model import EarlyExitModel
     from fastdecode.skipdecode_report import skipdecode_quality, split_examples
 
     job = to_dataclass(QualityJob, cfg, "")
-    decode = DecodeConfig(max_new_tokens=job.max_new_tokens, **dataclasses.asdict(job.skip))
+    skip = read_skip_options(job.skip_file) if job.skip_file else to_dataclass(SkipOptions, job.skip, "skip")
+    decode = DecodeConfig(max_new_tokens=job.max_new_tokens, skip=skip)
     model_cfg = job.model
     if job.checkpoint:
         model_cfg = dataclasses.replace(job.model, source="hub", name_or_path=job.checkpoint, tokenizer=None)
@@ -65,7 +61,11 @@ def run(cfg: Any) -> dict:
     report = skipdecode_quality(
         EarlyExitModel(model), split_examples(held_out), decode, held_out, job.batch_size
     )
-    report["options"] = dataclasses.asdict(job.skip) | {"checkpoint": job.checkpoint}
+    report["options"] = {
+        "skip": dataclasses.asdict(skip),
+        "skip_file": job.skip_file,
+        "checkpoint": job.checkpoint,
+    }
     atomic_write_json(Path(job.output_dir) / "skipdecode_quality.json", report)
     return report
 

@@ -38,7 +38,7 @@ from fastdecode.tokens import IGNORE_INDEX
 class SkipDecodePolicy:
     """A validated SkipDecode policy for a model of ``num_layers`` decoder layers.
 
-    ``keys`` is the config prefix used in error messages (``"recipe."``, ``"decoder.skip_"``).
+    ``keys`` is the config prefix used in error messages (``"recipe."``, ``"decoder.skip."``).
     """
 
     num_layers: int

@@ -132,4 +132,4 @@ def skipdecode_quality(
 
 def _full_depth(cfg: DecodeConfig) -> DecodeConfig:
     """``cfg`` with every budget at full depth (the policy then runs the whole model everywhere)."""
-    return replace(cfg, skip_max_budget=None, skip_min_budget=None)
+    return replace(cfg, skip=replace(cfg.skip, max_budget=None, min_budget=None))

@@ -23,7 +23,7 @@ from cllm_train.records import model_identity
 from cllm_train.trainer import CLLMTrainer
 from fastdecode.config import to_dataclass
 from fastdecode.data.chat import build_datasets, user_prompt_ids
-from fastdecode.decoding import DecodeConfig, get_decoder
+from fastdecode.decoding import DecodeConfig, JacobiOptions, get_decoder
 from fastdecode.loading import load_tokenizer, resolve_device
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokens import next_token_nll
@@ -73,7 +73,9 @@ def measure(model, tokenizer, held_out: list[dict], rcfg: CLLMConfig, block: int
     model.eval()
     m = EarlyExitModel(model)
     cfg = DecodeConfig(
-        max_new_tokens=r.max_new_tokens, jacobi_block=block, eos_token_id=tokenizer.eos_token_id
+        max_new_tokens=r.max_new_tokens,
+        jacobi=JacobiOptions(block=block),
+        eos_token_id=tokenizer.eos_token_id,
     )
     tokens = forwards = 0
     fast_forward: list[int] = []

@@ -3,7 +3,7 @@
 The ``fastdecode_recipes.finetune`` sequence with ``SkipDecodeLM`` (final-layer CE, the policy run exactly in
 the forward) under the plain Trainer: policy check -> data -> held-out perplexity under the policy (before)
 -> train -> export (verified against the live model under the policy) -> held-out perplexity (after) ->
-``final/skipdecode.json``: the ``decoder`` options (``skip_*`` DecodeConfig fields) that decode with the
+``final/skipdecode.json``: the ``decoder`` options (``DecodeConfig.skip``) that decode with the
 trained policy.
 """
 
@@ -28,12 +28,14 @@ log = logging.getLogger(__name__)
 
 
 def decoder_options(policy: SkipDecodePolicy) -> dict:
-    """The ``DecodeConfig`` fields that make ``decoder=skipdecode`` run ``policy``."""
+    """The ``DecodeConfig`` options (``skip``) that make ``decoder=skipdecode`` run ``policy``."""
     return {
-        "skip_max_budget": policy.max_budget,
-        "skip_min_budget": policy.min_budget,
-        "skip_warmup_layers": policy.warmup_layers,
-        "skip_max_length": policy.max_length,
+        "skip": {
+            "max_budget": policy.max_budget,
+            "min_budget": policy.min_budget,
+            "warmup_layers": policy.warmup_layers,
+            "max_length": policy.max_length,
+        }
     }
 
 

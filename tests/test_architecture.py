@@ -1,5 +1,9 @@
 """Layering rules of docs/ARCHITECTURE.md, checked on the source: imports only point down.
 
+Between packages: the table of docs/ARCHITECTURE.md (``FORBIDDEN``). Inside ``fastdecode``: ``RULES``, each
+one a bullet of the document's "Rules inside fastdecode" list, word for word, so the two cannot drift apart.
+Imports are read from the syntax tree, function-local ones included. "Reaches" follows every import chain
+inside ``fastdecode``, package ``__init__`` files included (importing ``a.b.c`` runs ``a`` and ``a.b``).
 ``fastdecode.training`` (training-only code shared by the training packages) sits between the training
 packages and the rest of ``fastdecode``: the training packages, the recipes and the entry points may import it,
 no other ``fastdecode`` module may.
@@ -8,37 +12,162 @@ no other ``fastdecode`` module may.
 from __future__ import annotations
 
 import ast
+import functools
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "ARCHITECTURE.md"
 TRAINING = {"layerskip_train", "cllm_train", "skipdecode_train"}
-ENTRY = {"fastdecode_cli", "eval"}
+ENTRY = {"fastdecode_cli", "eval", "train", "collect_jacobi"}  # console scripts, eval/, the root scripts
 SHARED_TRAINING = "fastdecode.training"
 FORBIDDEN = {
     "fastdecode": TRAINING | {"fastdecode_recipes"} | ENTRY,
     **{package: (TRAINING - {package}) | {"fastdecode_recipes"} | ENTRY for package in TRAINING},  # own only
     "fastdecode_recipes": ENTRY,
 }
+LIBRARY = sorted(FORBIDDEN)  # the importable packages; entry points may import anything below them
 
 
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
+@dataclass(frozen=True)
+class Rule:
+    """``areas`` (fastdecode modules or subpackages, names relative to ``fastdecode``) may import only the
+    ``only`` ones directly (when given), and reach none of ``never`` through any chain of imports."""
+
+    text: str  # the bullet in docs/ARCHITECTURE.md
+    areas: tuple[str, ...]
+    only: tuple[str, ...] | None = None
+    never: tuple[str, ...] = ()
 
 
+RULES = [
+    Rule(
+        "`config`, `distributed` and `io` (the base) import nothing from fastdecode but each other.",
+        areas=("config", "distributed", "io"),
+        only=("config", "distributed", "io"),
+    ),
+    Rule(
+        "`cache` imports only `config`; `model` imports only `config` and `cache` (the engine).",
+        areas=("cache",),
+        only=("config",),
+    ),
+    Rule(
+        "`cache` imports only `config`; `model` imports only `config` and `cache` (the engine).",
+        areas=("model",),
+        only=("config", "cache"),
+    ),
+    Rule(
+        "`jacobi` and `skipdecode` (the concepts training and decoding share) reach neither `decoding`, "
+        "`data` nor `bench`.",
+        areas=("jacobi", "skipdecode"),
+        never=("decoding", "data", "bench"),
+    ),
+    Rule(
+        "`decoding` reaches none of `data`, `training`, `loading`, `assets`, `tokenizer`, "
+        "`exit_report`, `skipdecode_report`, `bench`: the decoders stand on the engine and the shared "
+        "concepts.",
+        areas=("decoding",),
+        never=(
+            "data",
+            "training",
+            "loading",
+            "assets",
+            "tokenizer",
+            "exit_report",
+            "skipdecode_report",
+            "bench",
+        ),
+    ),
+    Rule(
+        "`data` reaches none of `decoding`, `bench`, `model`, `cache`: the data pipeline needs a tokenizer, "
+        "never a model.",
+        areas=("data",),
+        never=("decoding", "bench", "model", "cache"),
+    ),
+]
+OTHER_RULES = [  # bullets of the same list, checked by the tests below rather than by a Rule
+    "`bench` is imported only by `bench` itself and the entry points (`fastdecode_cli`, `eval/`).",
+    "No library package imports an entry point (`fastdecode_cli`, `train`, `collect_jacobi`, `eval/`).",
+    "No relative imports (`from . import x`): every import names its module in full.",
+]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reading the imports
 def _sources(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _import_nodes(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute module names ``path`` imports; ``from a import b`` counts ``a.b`` when that is a module."""
+    names = set()
+    for node in _import_nodes(path):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif node.module and node.level == 0:
+            names.add(node.module)
+            names.update(
+                f"{node.module}.{a.name}" for a in node.names if _is_module(f"{node.module}.{a.name}")
+            )
+    return names
+
+
+@functools.cache
+def _graph() -> dict[str, set[str]]:
+    """fastdecode module -> the fastdecode modules it imports, with the packages each import runs."""
+    graph = {}
+    for path in _sources("fastdecode"):
+        targets = set()
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "fastdecode":
+                targets.update(".".join(parts[:i]) for i in range(2, len(parts) + 1))
+        graph[_module_name(path)] = {t for t in targets if _is_module(t)}
+    return graph
+
+
+def _reach(module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        for target in _graph().get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen - {module}
+
+
+def _in(module: str, area: str) -> bool:
+    full = f"fastdecode.{area}"
+    return module == full or module.startswith(full + ".")
+
+
+def _members(area: str) -> list[str]:
+    members = [m for m in _graph() if _in(m, area)]
+    assert members, f"rule about fastdecode.{area}, which does not exist: update RULES and the document"
+    return members
+
+
+# --------------------------------------------------------------------------------------------------------
+# Between packages
+@pytest.mark.parametrize("package", LIBRARY)
 def test_imports_only_point_down(package):
     for path in _sources(package):
         for name in _imports(path):
@@ -77,3 +206,69 @@ def test_only_the_adapter_imports_hf_modeling_code():
                 continue
             bad = [n for n in _imports(path) if n.startswith("transformers.models")]
             assert not bad, f"{path.relative_to(ROOT)} imports {bad}: go through fastdecode/model.py"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Inside fastdecode
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: "+".join(r.areas))
+def test_rules_inside_fastdecode(rule):
+    for area in rule.areas:
+        for module in _members(area):
+            if rule.only is not None:
+                outside = {t for t in _graph()[module] if not _in(t, area)}
+                allowed = {t for t in outside if any(_in(t, a) for a in rule.only)}
+                assert outside == allowed, f"{module} imports {sorted(outside - allowed)}: {rule.text}"
+            reached = [t for t in _reach(module) for bad in rule.never if _in(t, bad)]
+            assert not reached, f"{module} reaches {sorted(reached)}: {rule.text}"
+
+
+def test_only_entry_points_import_the_benchmark():
+    for package in LIBRARY:
+        for path in _sources(package):
+            if _module_name(path).startswith("fastdecode.bench"):
+                continue
+            bad = [n for n in _imports(path) if n == "fastdecode.bench" or n.startswith("fastdecode.bench.")]
+            assert not bad, f"{path.relative_to(ROOT)} imports {bad}: {OTHER_RULES[0]}"
+
+
+def test_no_relative_imports():
+    roots = [*LIBRARY, *sorted(ENTRY - {"train", "collect_jacobi"}), "tests"]
+    paths = [p for root in roots for p in _sources(root)] + sorted(ROOT.glob("*.py"))
+    assert paths
+    for path in paths:
+        relative = [node.lineno for node in _import_nodes(path) if getattr(node, "level", 0) > 0]
+        assert not relative, f"{path.relative_to(ROOT)} line(s) {relative}: {OTHER_RULES[2]}"
+
+
+def test_the_rules_graph_sees_real_imports():
+    """Guards the checker itself: known edges are found (a parser bug would pass every rule vacuously)."""
+    assert "fastdecode.cache" in _graph()["fastdecode.model"]
+    assert "fastdecode.decoding.speculative" in _graph()["fastdecode.decoding.self_speculative"]
+    assert {"fastdecode.decoding", "fastdecode.model"} <= _reach("fastdecode.skipdecode_report")
+
+
+# --------------------------------------------------------------------------------------------------------
+# The document matches
+def _section(title: str) -> str:
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+def test_the_document_lists_every_rule():
+    rules = _section("Rules inside fastdecode")
+    bullets = {line[2:].strip() for line in rules.splitlines() if line.startswith("- ")}
+    expected = {rule.text for rule in RULES} | set(OTHER_RULES)
+    assert bullets == expected, f"docs/ARCHITECTURE.md differs: {sorted(bullets ^ expected)}"
+
+
+def test_the_document_has_one_row_per_fastdecode_module():
+    rows = re.findall(r"^\| `([^`]+)` \|", _section("fastdecode/"), flags=re.MULTILINE)
+    package = ROOT / "fastdecode"
+    modules = {p.name for p in package.glob("*.py") if p.name != "__init__.py"}
+    modules |= {f"{p.parent.name}/" for p in package.glob("*/__init__.py")}
+    assert len(rows) == len(set(rows)), f"a module has two rows: {rows}"
+    assert set(rows) == modules, (
+        f"rows without a module: {set(rows) - modules}; modules without: {modules - set(rows)}"
+    )

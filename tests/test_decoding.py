@@ -16,7 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fastdecode.config import ConfigError
 from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig, get_decoder
 from fastdecode.decoding.common import probabilities
-from fastdecode.decoding.policies import Adaptive, Confidence, Heuristic
+from fastdecode.decoding.policies import Adaptive, Confidence, Constant, DraftPolicy, Heuristic
+from fastdecode.decoding.speculative import Draft, Verdict, accept
 from fastdecode.model import EarlyExitModel
 from tests.conftest import TINY_MODELS, _tiny
 
@@ -184,6 +185,36 @@ def test_policies_unit():
     adaptive.update([0], 4)  # the first draft was rejected: calibration (1 + 0) / (1 + 0.8) = 0.56
     adaptive.begin()
     assert not adaptive.keep_drafting(torch.tensor([0.8]), torch.tensor([True]))
+
+
+def test_every_policy_derives_from_draft_policy():
+    assert all(issubclass(policy, DraftPolicy) for policy in POLICIES.values())
+    assert [p for p in POLICIES.values() if issubclass(p, Constant)] == [
+        Constant
+    ]  # not a base for the others
+    for policy in POLICIES.values():
+        assert policy(3, threshold=0.5, cost_ratio=0.25).draft_limit() == 3
+        with pytest.raises(TypeError):  # threshold and cost_ratio are keyword-only
+            policy(3, 0.5, 0.25)
+
+
+def test_accept_returns_a_verdict_with_named_fields():
+    """Greedy and sampling rule on hand-made verifier logits ``[B=2, k+1=4, V=6]``, drafts ``[1, 2, 3]``."""
+    target = torch.tensor([[1, 2, 3, 4], [1, 5, 3, 0]])  # row 0 agrees with all 3 drafts, row 1 with one
+    logits = torch.full((2, 4, 6), -1e4).scatter_(-1, target[..., None], 0.0)
+    tokens = torch.tensor([[1, 2, 3], [1, 2, 3]])
+    greedy = accept(
+        logits, Draft(torch.zeros(2, 4, 1), tokens, None), DecodeConfig(4), generator=torch.Generator()
+    )
+    assert isinstance(greedy, Verdict) and Verdict._fields == ("accepted", "next_token", "oracle")
+    assert greedy.accepted.tolist() == [3, 1] and greedy.oracle.tolist() == [3, 1]
+    assert greedy.next_token.tolist() == [4, 5]  # the bonus token, and the correction after one draft
+    # Sampling with q == p: every draft the target would draw is accepted (r * q < p for r < 1).
+    cfg = DecodeConfig(4, temperature=1.0)
+    q = probabilities(logits[:, :3], cfg)
+    sampled = accept(logits, Draft(torch.zeros(2, 4, 1), target[:, :3], q), cfg, generator=torch.Generator())
+    assert sampled.accepted.tolist() == [3, 3] and sampled.oracle.tolist() == [3, 3]
+    assert sampled.next_token.tolist() == [4, 0]  # the bonus token drawn from p at the last position
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -12,14 +12,9 @@ import torch
 
 from fastdecode.config import ConfigError, load_group
 from fastdecode.data.config import DataConfig
+from fastdecode.data.draft_vocab import build_draft_vocab, draft_vocab_from_data, save_draft_vocab
 from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig
-from fastdecode.draft_vocab import (
-    build_draft_vocab,
-    draft_vocab_from_data,
-    draft_vocab_ids,
-    load_draft_vocab,
-    save_draft_vocab,
-)
+from fastdecode.decoding.draft_vocab import draft_vocab_ids, load_draft_vocab
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokenizer import byte_tokenizer
 from tests.conftest import TINY_MODELS, _tiny
@@ -56,16 +51,18 @@ def test_draft_vocab_file_roundtrip_cache_and_errors(tmp_path):
     ids, vocab_size = load_draft_vocab(path)
     assert ids.tolist() == [4, 9, 7] and vocab_size == 261
     cfg = DecodeConfig(max_new_tokens=4, draft_vocab=path)
-    first = draft_vocab_ids(cfg, m)
-    assert draft_vocab_ids(cfg, m) is first  # one tensor per file version: the adapter's head rows are reused
+    first = draft_vocab_ids(path, m)
+    assert (
+        draft_vocab_ids(path, m) is first
+    )  # one tensor per file version: the adapter's head rows are reused
     _vocab_file(tmp_path, [4, 9, 7, 8])
-    assert draft_vocab_ids(cfg, m).tolist() == [4, 9, 7, 8]  # a rewritten file is reloaded
-    assert draft_vocab_ids(DecodeConfig(max_new_tokens=4), m) is None
+    assert draft_vocab_ids(path, m).tolist() == [4, 9, 7, 8]  # a rewritten file is reloaded
+    assert draft_vocab_ids(DecodeConfig(max_new_tokens=4).draft_vocab, m) is None
     with pytest.raises(ConfigError, match="no such file. Build one with.*draft_vocab_from_data"):
-        draft_vocab_ids(replace(cfg, draft_vocab=str(tmp_path / "missing.json")), m)
+        draft_vocab_ids(str(tmp_path / "missing.json"), m)
     (tmp_path / "bad.json").write_text('{"ids": [1, 2]}')
     with pytest.raises(ConfigError, match="is not a draft vocabulary file"):
-        draft_vocab_ids(replace(cfg, draft_vocab=str(tmp_path / "bad.json")), m)
+        draft_vocab_ids(str(tmp_path / "bad.json"), m)
     big = _vocab_file(tmp_path, [4, 300], name="big.json", vocab_size=320)
     with pytest.raises(
         ConfigError, match="built for a vocabulary of 320 ids.*has 261.*this model's tokenizer"

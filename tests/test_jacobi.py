@@ -12,7 +12,7 @@ import torch
 from cllm_train.trajectories import Prompt
 from eval.collect_throughput import reference_trajectories
 from fastdecode.config import ConfigError
-from fastdecode.decoding import DECODERS, DecodeConfig
+from fastdecode.decoding import DECODERS, DecodeConfig, JacobiOptions
 from fastdecode.decoding.common import prefill
 from fastdecode.jacobi import (
     JacobiSolver,
@@ -117,20 +117,20 @@ def test_jacobi_decoder_equals_autoregressive(name, batch):
             [("repeat", None), ("prompt", 92), ("vocab", m.config.eos_token_id)]
         ):
             prompts = _prompts(batch, seed=20 + seed)
-            cfg = DecodeConfig(max_new_tokens=23, jacobi_block=5, jacobi_init=init, eos_token_id=eos)
+            cfg = DecodeConfig(max_new_tokens=23, jacobi=JacobiOptions(block=5, init=init), eos_token_id=eos)
             ar = autoregressive(m, prompts, cfg)
             out = jacobi(m, prompts, cfg)
             assert out.tokens == ar.tokens
             assert out.steps <= ar.steps + 1 and all(f >= 1 for f in out.fast_forward)
             # every forward fixes >= 1 token per row: at most one forward per emitted token (+ the last block)
-            assert sum(out.fast_forward) <= out.num_tokens + batch * cfg.jacobi_block
+            assert sum(out.fast_forward) <= out.num_tokens + batch * cfg.jacobi.block
 
 
 @pytest.mark.parametrize("n", [2, 7, 16])
 def test_jacobi_decoder_equals_autoregressive_on_many_prompts(n):
     for m in _models("tiny-llama"):
         prompts = _prompts(12, seed=n)
-        cfg = DecodeConfig(max_new_tokens=19, jacobi_block=n, jacobi_init="prompt", seed=n)
+        cfg = DecodeConfig(max_new_tokens=19, jacobi=JacobiOptions(block=n, init="prompt"), seed=n)
         expected = autoregressive(m, prompts, cfg).tokens
         assert [t for i in range(0, 12, 3) for t in jacobi(m, prompts[i : i + 3], cfg).tokens] == expected
 
@@ -140,7 +140,7 @@ def test_jacobi_decoder_stops_at_eos_inside_a_block():
     prompts = _prompts(3, seed=5)
     greedy = autoregressive(m, prompts, DecodeConfig(max_new_tokens=20)).tokens
     eos = greedy[0][3]  # a token the first row emits early, inside its first block
-    cfg = DecodeConfig(max_new_tokens=20, jacobi_block=8, eos_token_id=eos)
+    cfg = DecodeConfig(max_new_tokens=20, jacobi=JacobiOptions(block=8), eos_token_id=eos)
     out = jacobi(m, prompts, cfg)
     assert out.tokens == autoregressive(m, prompts, cfg).tokens
     assert out.tokens[0][-1] == eos and len(out.tokens[0]) <= 4
@@ -154,10 +154,10 @@ def test_stationary_and_first_mismatch():
 
 
 def test_bad_input_fails_clearly():
-    with pytest.raises(ConfigError, match="n >= 2"):
-        DecodeConfig(max_new_tokens=4, jacobi_block=1)
-    with pytest.raises(ConfigError, match="Jacobi initial guess"):
-        DecodeConfig(max_new_tokens=4, jacobi_init="zeros")
+    with pytest.raises(ConfigError, match=r"decoder.jacobi.block=1: a Jacobi block needs n >= 2"):
+        DecodeConfig(max_new_tokens=4, jacobi=JacobiOptions(block=1))
+    with pytest.raises(ConfigError, match=r"Jacobi initial guess 'zeros'.*\(decoder.jacobi.init\)"):
+        DecodeConfig(max_new_tokens=4, jacobi=JacobiOptions(init="zeros"))
     m = _lively("tiny-llama")
     with pytest.raises(ConfigError, match="temperature=0"):
         jacobi(m, [[5, 6]], DecodeConfig(max_new_tokens=4, temperature=0.7))

@@ -15,12 +15,14 @@ from transformers import AutoModelForCausalLM
 
 import fastdecode_recipes
 from fastdecode.config import CONFIG_DIR, ConfigError
-from fastdecode.decoding import DECODERS, DecodeConfig
+from fastdecode.decoding import DECODERS, DecodeConfig, SkipOptions
+from fastdecode.decoding.autoregressive import step
 from fastdecode.decoding.common import prefill
-from fastdecode.decoding.skipdecode import policy_from_config, step
+from fastdecode.decoding.skipdecode import policy_from_config, read_skip_options
 from fastdecode.model import EarlyExitModel
 from fastdecode.skipdecode import SkipDecodePolicy, policy_hidden, response_starts
 from fastdecode.skipdecode_report import lcs_length, rouge_l, skipdecode_quality, split_examples
+from fastdecode_recipes.skipdecode import decoder_options
 from skipdecode_train.module import SkipDecodeLM
 from tests.conftest import TINY_MODELS
 from tests.test_decoding import _lively, _prompts
@@ -84,14 +86,14 @@ def test_bad_policy_raises(kwargs, message):
 
 def test_bad_decoder_input_raises_before_any_model_work():
     m = _lively("tiny-llama")
-    with pytest.raises(ConfigError, match=r"skip_min_budget=3 > decoder.skip_max_budget=2"):
-        DecodeConfig(max_new_tokens=4, skip_max_budget=2, skip_min_budget=3)
-    with pytest.raises(ConfigError, match=r"decoder.skip_max_budget=9 is outside \[2, 4\]"):
-        skipdecode(m, [[5, 6]], DecodeConfig(max_new_tokens=4, skip_max_budget=9))
+    with pytest.raises(ConfigError, match=r"skip.min_budget=3 > decoder.skip.max_budget=2"):
+        DecodeConfig(max_new_tokens=4, skip=SkipOptions(max_budget=2, min_budget=3))
+    with pytest.raises(ConfigError, match=r"decoder.skip.max_budget=9 is outside \[2, 4\]"):
+        skipdecode(m, [[5, 6]], DecodeConfig(max_new_tokens=4, skip=SkipOptions(max_budget=9)))
     with pytest.raises(ConfigError, match=r"exit_layer=2: skipdecode always ends at the last layer"):
         skipdecode(m, [[5, 6]], DecodeConfig(max_new_tokens=4, exit_layer=2))
-    with pytest.raises(ConfigError, match=r"skip_max_length=5 but the longest prompt has 6 tokens"):
-        skipdecode(m, [[5] * 6, [7]], DecodeConfig(max_new_tokens=4, skip_max_length=5))
+    with pytest.raises(ConfigError, match=r"skip.max_length=5 but the longest prompt has 6 tokens"):
+        skipdecode(m, [[5] * 6, [7]], DecodeConfig(max_new_tokens=4, skip=SkipOptions(max_length=5)))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -118,7 +120,7 @@ def _stepwise_logits(m, policy, prompts, continuations) -> torch.Tensor:
     valid = torch.ones(len(prompts), dtype=torch.bool)
     for k in range(len(continuations[0]) - 1):
         tokens = torch.tensor([c[k] for c in continuations])
-        logits.append(step(m, policy, state.cache, tokens, positions, valid, budgets[k]))
+        logits.append(step(m, state.cache, tokens, positions, valid, layers=policy.layer_ranges(budgets[k])))
         positions = positions + 1
     return torch.stack(logits, dim=1)
 
@@ -130,7 +132,7 @@ def test_training_forward_equals_token_by_token_decoding(name, batch, warmup, hi
     m = _lively(name)
     prompts = _prompts(batch, seed=batch + warmup)
     cfg = DecodeConfig(
-        max_new_tokens=NEW, skip_max_budget=high, skip_min_budget=low, skip_warmup_layers=warmup
+        max_new_tokens=NEW, skip=SkipOptions(max_budget=high, min_budget=low, warmup_layers=warmup)
     )
     out = skipdecode(m, prompts, cfg)
     policy = policy_from_config(cfg, m.num_layers, max(map(len, prompts)))
@@ -170,7 +172,7 @@ def test_cache_is_written_and_read_only_where_the_policy_runs():
         for i, layer in enumerate(m.layers)
     ]
     try:
-        cfg = DecodeConfig(max_new_tokens=NEW, skip_max_budget=4, skip_min_budget=1, skip_warmup_layers=0)
+        cfg = DecodeConfig(max_new_tokens=NEW, skip=SkipOptions(max_budget=4, min_budget=1, warmup_layers=0))
         out = skipdecode(m, prompts, cfg)
     finally:
         for hook in hooks:
@@ -191,7 +193,7 @@ def test_full_budget_equals_autoregressive(name):
     m = _lively(name)
     prompts = _prompts(3, seed=7)
     cfg = DecodeConfig(max_new_tokens=16, eos_token_id=m.config.eos_token_id)
-    full = replace_cfg(cfg, skip_max_budget=m.num_layers, skip_min_budget=m.num_layers)
+    full = replace_cfg(cfg, skip=SkipOptions(max_budget=m.num_layers, min_budget=m.num_layers))
     ours, reference = skipdecode(m, prompts, full), DECODERS["autoregressive"](m, prompts, cfg)
     assert ours.tokens == reference.tokens
     assert (ours.layers_run, ours.layer_calls) == (reference.layers_run, reference.layer_calls)
@@ -237,7 +239,9 @@ def test_quality_report_full_budget_matches_and_skipping_costs_fewer_layers():
     same = skipdecode_quality(m, prompts, cfg, examples, batch_size=2)
     assert same["rouge_l"] == same["exact_match"] == 1.0
     assert same["perplexity"]["skipdecode"] == same["perplexity"]["full"]
-    skip = skipdecode_quality(m, prompts, replace_cfg(cfg, skip_max_budget=3, skip_min_budget=2), examples)
+    skip = skipdecode_quality(
+        m, prompts, replace_cfg(cfg, skip=SkipOptions(max_budget=3, min_budget=2)), examples
+    )
     assert skip["layers_per_token"]["skipdecode"] < skip["layers_per_token"]["full"]
     assert skip["perplexity"]["skipdecode"]["layers"] < skip["perplexity"]["full"]["layers"] == 4
     assert skip["perplexity"]["skipdecode"]["perplexity"] != skip["perplexity"]["full"]["perplexity"]
@@ -290,12 +294,36 @@ def test_recipe_trains_exports_and_reloads(tmp_path):
     assert summary["export_check"]["abs_diff"] < 1e-4
     assert (run / "checkpoint-2").is_dir()
     options = json.loads((run / "final" / "skipdecode.json").read_text())
-    assert options["decoder"] == "skipdecode" and options["skip_max_length"] == 512  # data.max_length
+    assert options["decoder"] == "skipdecode" and options["skip"]["max_length"] == 512  # data.max_length
     held = summary["held_out"]
     assert held["after"]["layers"] < 4 and held["after"]["perplexity"] < held["before"]["perplexity"]
     reloaded = EarlyExitModel(AutoModelForCausalLM.from_pretrained(summary["checkpoint"]))
-    cfg = DecodeConfig(max_new_tokens=6, **{k: v for k, v in options.items() if k.startswith("skip_")})
+    cfg = DecodeConfig(max_new_tokens=6, skip=read_skip_options(run / "final" / "skipdecode.json"))
     assert len(skipdecode(reloaded, [[3, 50, 60]], cfg).tokens[0]) == 6
+
+
+def test_skipdecode_json_of_either_format_reads_back(tmp_path):
+    """The recipe writes ``{"skip": {...}}``; files written before the options were nested (flat ``skip_*``
+    keys) still read, to the same options; a mixed, empty or misspelt file fails naming the problem."""
+    policy = SkipDecodePolicy(num_layers=4, max_budget=3, min_budget=2, warmup_layers=1, max_length=40)
+    expected = SkipOptions(max_budget=3, min_budget=2, warmup_layers=1, max_length=40)
+    new = {"decoder": "skipdecode", "num_layers": 4, **decoder_options(policy)}
+    old = {"decoder": "skipdecode", "num_layers": 4} | {f"skip_{k}": v for k, v in new["skip"].items()}
+    files = {}
+    for name, content in [("new", new), ("old", old), ("mixed", new | old), ("none", {"decoder": "x"})]:
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps(content))
+    assert read_skip_options(files["new"]) == read_skip_options(files["old"]) == expected
+    cfg = DecodeConfig(max_new_tokens=4, skip=read_skip_options(files["old"]))
+    assert policy_from_config(cfg, 4, 3) == policy  # the policy the checkpoint was trained with
+    with pytest.raises(ConfigError, match=r"both 'skip' and flat skip_\* keys"):
+        read_skip_options(files["mixed"])
+    with pytest.raises(ConfigError, match=r"no SkipDecode options"):
+        read_skip_options(files["none"])
+    files["typo"] = tmp_path / "typo.json"
+    files["typo"].write_text(json.dumps({"skip_max_budgt": 3}))
+    with pytest.raises(ConfigError, match=r"typo.json: skip.max_budgt'. Did you mean 'max_budget'\?"):
+        read_skip_options(files["typo"])
 
 
 @pytest.mark.parametrize(
@@ -314,18 +342,22 @@ def test_bad_recipe_config_fails_before_training(tmp_path, override, message):
     assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 
-def test_quality_entry_point_writes_its_report(tmp_path):
+@pytest.mark.parametrize("source", ["overrides", "old_skipdecode_json"])
+def test_quality_entry_point_writes_its_report(tmp_path, source):
     from eval.skipdecode_quality import run
 
     data = write_chat_jsonl(tmp_path / "chat.jsonl")
+    skip = ["skip.max_budget=3", "skip.min_budget=2", "skip.warmup_layers=1"]
+    if source == "old_skipdecode_json":  # a recipe=skipdecode run's file from before the options were nested
+        old = {"decoder": "skipdecode", "skip_max_budget": 3, "skip_min_budget": 2, "skip_warmup_layers": 1}
+        (tmp_path / "skipdecode.json").write_text(json.dumps(old))
+        skip = [f"skip_file={tmp_path / 'skipdecode.json'}", "skip.max_budget=4"]  # the file wins
     overrides = [
         "model=tiny-llama",
         "data=jsonl",
         f"data.path={data}",
         "data.held_out=4",
-        "skip.skip_max_budget=3",
-        "skip.skip_min_budget=2",
-        "skip.skip_warmup_layers=1",
+        *skip,
         "max_new_tokens=6",
         f"output_dir={tmp_path / 'out'}",
     ]
@@ -334,6 +366,8 @@ def test_quality_entry_point_writes_its_report(tmp_path):
     assert report["prompts"] == 4 and 0 <= report["rouge_l"] <= 1
     assert report["layers_per_token"]["skipdecode"] < report["layers_per_token"]["full"]
     assert (
-        json.loads((tmp_path / "out" / "skipdecode_quality.json").read_text())["options"]["skip_max_budget"]
+        json.loads((tmp_path / "out" / "skipdecode_quality.json").read_text())["options"]["skip"][
+            "max_budget"
+        ]
         == 3
     )

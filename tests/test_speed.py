@@ -16,7 +16,7 @@ from fastdecode.bench.speed import tokenize_prompts
 from fastdecode.bench.stats import Record, oracle_report, token_match
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, group_choices, load_group, to_dataclass
 from fastdecode.data.config import DataConfig
-from fastdecode.decoding import DECODERS, DecodeOutput
+from fastdecode.decoding import DECODERS, DecodeConfig, DecodeOutput, JacobiOptions, SkipOptions
 from tests.test_decoding import _lively, _prompts
 
 FAST = ["progress=false", "repeats=2", "warmup=1", "max_new_tokens=8"]
@@ -157,6 +157,19 @@ def test_sweep_grid_batches_and_skips(tmp_path):
         (["exit_layer=2", "checkpoint=/nonexistent"], r"not a model directory"),
         (["exit_layer=2", "draft_model=nope"], r"neither a configs/model name"),
         (["exit_layer=2", "batch_sizes=[0]"], r"batch_sizes"),
+        (
+            ["decoder=[autoregressive,jacobi]", "+decoder.jacobi.options.jacobi.blok=8"],
+            r"Unknown key 'decoder.jacobi.options.jacobi.blok'. Did you mean 'block'\?",
+        ),
+        (
+            ["decoder=[autoregressive,skipdecode]", "+decoder.skipdecode.options.skip_max_budget=3"],
+            r"'decoder.skipdecode.options.skip_max_budget' was renamed: use "
+            r"'decoder.skipdecode.options.skip.max_budget'",
+        ),
+        (
+            ["decoder=[autoregressive,jacobi]", "decoder.jacobi.options.jacobi.block=1"],
+            r"decoder.jacobi.block=1: a Jacobi block needs n >= 2",
+        ),
     ],
 )
 def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch, overrides, message):
@@ -170,6 +183,24 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch, overrides
 
     with pytest.raises(ConfigError, match=message):
         run(_tiny_cfg(tmp_path, *overrides))
+
+
+def test_nested_decoder_options_follow_hydra_overrides():
+    cfg = _compose(
+        "decoder=[autoregressive,jacobi,skipdecode]",
+        "model=tiny-llama",
+        "hf_baseline=null",
+        "decoder.jacobi.options.jacobi.block=8",
+        "decoder.skipdecode.options.skip.max_budget=3",
+        "decoder.skipdecode.options.skip.min_budget=2",
+    )
+    _, methods, _ = plan(cfg)
+    decode = {m.name: to_dataclass(DecodeConfig, {"max_new_tokens": 4} | m.options, m.name) for m in methods}
+    assert decode["jacobi"].jacobi == JacobiOptions(block=8, init="repeat")
+    assert decode["skipdecode"].skip == SkipOptions(max_budget=3, min_budget=2, warmup_layers=4)
+    assert (
+        decode["autoregressive"].jacobi == JacobiOptions() and decode["autoregressive"].skip == SkipOptions()
+    )
 
 
 def test_unknown_method_names_the_missing_config():

@@ -4,7 +4,8 @@ A *method* is one entry of the ``decoder`` group (``configs/decoder/<name>.yaml`
 ``decoder=[autoregressive,self_speculative,hf_generate]``). Each file holds one mapping keyed by its own name:
 
 - ``engine: fastdecode``: ``decoder`` names a strategy in ``fastdecode.decoding.DECODERS``; ``options`` are
-  ``DecodeConfig`` fields (converted with ``to_dataclass``, so new fields flow through and typos fail);
+  ``DecodeConfig`` fields (converted with ``to_dataclass``, so new fields flow through and typos fail), one
+  decoder's own options nested under its group (``options.jacobi.block``, ``options.skip.max_budget``);
 - ``engine: hf``: Hugging Face ``model.generate``; ``options`` are ``GenerationConfig`` fields
   (``num_assistant_tokens``, ``assistant_confidence_threshold``, ...).
 

@@ -5,7 +5,8 @@ Every strategy has the same signature, so callers (eval, benchmarks) pick one by
     out = get_decoder("self_speculative")(m, prompts, DecodeConfig(max_new_tokens=64, exit_layer=8))
 
 ``m`` is an ``EarlyExitModel``; ``prompts`` a list of token-id lists (any lengths, batched with left
-padding); ``draft`` a separate drafter model for two-model strategies (None for the others).
+padding); ``draft`` a separate drafter model for two-model strategies (None for the others). Options of one
+decoder are nested in ``DecodeConfig`` under its name: ``DecodeConfig(..., jacobi=JacobiOptions(block=8))``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Protocol
 from fastdecode.config import unknown_name_error
 from fastdecode.decoding import assisted, autoregressive, jacobi, self_speculative, skipdecode
 from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, prefill
-from fastdecode.decoding.policies import POLICIES
+from fastdecode.decoding.options import JacobiOptions, SkipOptions
+from fastdecode.decoding.policies import POLICIES, DraftPolicy
 from fastdecode.model import EarlyExitModel
 
 
@@ -51,6 +53,9 @@ __all__ = [
     "DecodeConfig",
     "DecodeOutput",
     "Decoder",
+    "DraftPolicy",
+    "JacobiOptions",
+    "SkipOptions",
     "check",
     "get_decoder",
     "prefill",

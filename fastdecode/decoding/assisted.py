@@ -28,8 +28,7 @@ from fastdecode.cache import KVCache
 from fastdecode.config import ConfigError
 from fastdecode.decoding import speculative
 from fastdecode.decoding.common import DecodeConfig, DecodeOutput, Rows, check, choose, new_generator, prefill
-from fastdecode.decoding.policies import POLICIES
-from fastdecode.draft_vocab import draft_vocab_ids
+from fastdecode.decoding.draft_vocab import draft_vocab_ids
 from fastdecode.model import EarlyExitModel
 
 
@@ -92,15 +91,24 @@ def generate(
     """Speculative decoding of ``prompts`` on the target ``m``, drafting with the separate model ``draft``."""
     check_draft(m, draft, cfg, prompts)
     check(cfg, m, prompts)
-    vocab = draft_vocab_ids(cfg, draft)  # None unless decoder.draft_vocab names a subset for the draft head
+    # None unless decoder.draft_vocab names a subset for the draft head
+    vocab = draft_vocab_ids(cfg.draft_vocab, draft)
     capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + cfg.draft_tokens + 1
     state, draft_state = prefill(m, prompts, capacity), prefill(draft, prompts, capacity)
     caches, positions = [state.cache, draft_state.cache], state.positions
     head_rows = None if vocab is None else len(vocab)
     cost_ratio = draft.step_cost(head_rows=head_rows) / m.step_cost()
-    policy = POLICIES[cfg.policy](cfg.draft_tokens, cfg.confidence_threshold, cost_ratio)
+    policy = speculative.new_policy(cfg, cost_ratio=cost_ratio)
     generator = new_generator(cfg, m.device)
-    drafter = speculative.Drafter(draft, draft.num_layers, draft_state.cache, policy, cfg, generator, vocab)
+    drafter = speculative.Drafter(
+        draft,
+        draft.num_layers,
+        cache=draft_state.cache,
+        policy=policy,
+        cfg=cfg,
+        generator=generator,
+        vocab=vocab,
+    )
     rows = Rows(len(prompts), cfg)
     out = DecodeOutput(tokens=rows.tokens)
     last = choose(state.logits, None, cfg, generator)  # the first new token comes from the target's prefill
@@ -113,9 +121,11 @@ def generate(
         drafted = drafter.draft(last, positions, active, limit)
         k = drafted.tokens.shape[1]
         logits = _verify(m, state.cache, last, drafted.tokens, positions, active)
-        verdict = speculative.accept(logits, drafted, cfg, generator)
-        last = verdict[1]
-        kept = speculative.settle(rows, out, policy, drafted, verdict, caches, start)
+        verdict = speculative.accept(logits, drafted, cfg, generator=generator)
+        last = verdict.next_token
+        kept = speculative.settle(
+            rows, out, policy=policy, draft=drafted, verdict=verdict, caches=caches, start=start
+        )
         positions = positions + (kept + 1) * active
         # Layer applications and sequential layer calls of both models (the drafter's are usually cheaper).
         out.layers_run += (k + 1) * (draft.num_layers + m.num_layers) * live

@@ -12,13 +12,14 @@ exactly (bit-identically in fp32) like the same row alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from fastdecode.cache import KVCache
 from fastdecode.config import ConfigError, unknown_name_error
+from fastdecode.decoding.options import JacobiOptions, SkipOptions
 from fastdecode.decoding.policies import POLICIES
-from fastdecode.jacobi import check_block_size, check_init
 from fastdecode.model import EarlyExitModel
 
 
@@ -27,8 +28,9 @@ class DecodeConfig:
     """How to decode. ``temperature=0`` is greedy; ``exit_layer`` E is the number of blocks the drafter (or a
     pure early exit) runs; ``draft_tokens`` is K for the ``constant`` policy and the largest K for the others.
     ``eos_token_id=None`` never stops early (pass the tokenizer's EOS id(s) to stop at EOS). ``draft_vocab``:
-    path of a draft vocabulary file (``fastdecode/draft_vocab.py``); the drafter's head then scores only those
-    tokens (verification keeps the full head: still lossless)."""
+    path of a draft vocabulary file (``fastdecode/data/draft_vocab.py``); the drafter's head then scores only
+    those tokens (verification keeps the full head: still lossless). ``skip``, ``jacobi``: the options of the
+    ``skipdecode`` and ``jacobi`` decoders (``fastdecode/decoding/options.py``)."""
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -41,15 +43,19 @@ class DecodeConfig:
     eos_token_id: int | list[int] | None = None
     seed: int = 0
     draft_vocab: str | None = None
-    # skipdecode (fastdecode/skipdecode.py): layers at the first new token (null: all), at max_length and
-    # after (null: = max), bottom layers always run, T where the decay ends (null: longest prompt + max_new)
-    skip_max_budget: int | None = None
-    skip_min_budget: int | None = None
-    skip_warmup_layers: int = 1
-    skip_max_length: int | None = None
-    # jacobi (fastdecode/decoding/jacobi.py): block size n >= 2; initial guess repeat | prompt | vocab
-    jacobi_block: int = 16
-    jacobi_init: str = "repeat"
+    # options only one decoder reads, nested under its name (fastdecode/decoding/options.py)
+    skip: SkipOptions = field(default_factory=SkipOptions)
+    jacobi: JacobiOptions = field(default_factory=JacobiOptions)
+
+    # The flat keys of the per-decoder options before they were nested: ``to_dataclass`` names the new key.
+    RENAMED: ClassVar[dict[str, str]] = {
+        "skip_max_budget": "skip.max_budget",
+        "skip_min_budget": "skip.min_budget",
+        "skip_warmup_layers": "skip.warmup_layers",
+        "skip_max_length": "skip.max_length",
+        "jacobi_block": "jacobi.block",
+        "jacobi_init": "jacobi.init",
+    }
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -71,11 +77,6 @@ class DecodeConfig:
             raise ConfigError(f"decoder.confidence_threshold={self.confidence_threshold}: must be in [0, 1].")
         if self.policy not in POLICIES:
             raise unknown_name_error("draft-length policy", self.policy, list(POLICIES), "(decoder.policy)")
-        low, high = self.skip_min_budget, self.skip_max_budget
-        if low is not None and high is not None and low > high:  # the rest is checked against the model
-            raise ConfigError(f"decoder.skip_min_budget={low} > decoder.skip_max_budget={high}: must be <=.")
-        check_block_size(self.jacobi_block, "decoder.jacobi_block")
-        check_init(self.jacobi_init, "decoder.jacobi_init")
 
     @property
     def greedy(self) -> bool:
@@ -193,7 +194,7 @@ class Prefill:
 
 
 def prefill(
-    m: EarlyExitModel, prompts: list[list[int]], capacity: int, exit_layer: int | None = None
+    m: EarlyExitModel, prompts: list[list[int]], capacity: int, *, exit_layer: int | None = None
 ) -> Prefill:
     """Left-pad ``prompts`` into one batch and run them through layers ``[0, exit_layer)`` (all by default).
 

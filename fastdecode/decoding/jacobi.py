@@ -1,7 +1,7 @@
-"""Greedy Jacobi decoding (the CLLM decoder): refine a block of ``decoder.jacobi_block`` tokens in parallel
+"""Greedy Jacobi decoding (the CLLM decoder): refine a block of ``decoder.jacobi.block`` tokens in parallel
 until it reaches its fixed point, which equals greedy autoregressive output (fastdecode/jacobi.py).
 
-Initial guess (``decoder.jacobi_init``): ``repeat`` (default) repeats the known next token, ``prompt`` draws
+Initial guess (``decoder.jacobi.init``): ``repeat`` (default) repeats the known next token, ``prompt`` draws
 uniformly from the row's prompt and output so far (what CLLM training trajectories start from), ``vocab``
 from the whole vocabulary; random draws are seeded per row from ``decoder.seed``. In every case ``y(0)[0]``
 is the known next token, so each forward fixes at least one token.
@@ -41,7 +41,7 @@ class _Rows(Rows):
 
     def guess(self, row: int, nxt: int) -> list[int]:
         context = self.prompts[row] + self.tokens[row]
-        strategy, n = self.cfg.jacobi_init, self.cfg.jacobi_block
+        strategy, n = self.cfg.jacobi.init, self.cfg.jacobi.block
         return initial_guess(strategy, n, context, self.vocab_size, self.generators[row], lead=nxt)
 
 
@@ -63,7 +63,7 @@ def generate(
     check(cfg, m, prompts)
     refuse_draft_model("jacobi", draft)
     _refuse(cfg)
-    n = cfg.jacobi_block
+    n = cfg.jacobi.block
     width = max(len(p) for p in prompts)
     state = prefill(m, prompts, width + cfg.max_new_tokens + 2 * n)
     solver = JacobiSolver(m, state.cache, state.positions, n)

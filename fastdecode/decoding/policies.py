@@ -1,7 +1,8 @@
 """Draft-length policies shared by the speculative decoders.
 
-A policy is a small object the decoder asks, per round, how many tokens it may draft (``draft_limit``) and
-tells how the round went (``update``). Dynamic policies also decide per drafted token (``keep_drafting``).
+A policy (a ``DraftPolicy``) is a small object the decoder asks, per round, how many tokens it may draft
+(``draft_limit``) and tells how the round went (``update``). Dynamic policies also decide per drafted token
+(``keep_drafting``).
 
 No host synchronisation per draft token: ``keep_drafting`` gets the drafter's probabilities of the drafted
 tokens as a device tensor and returns a device bool. The decoder copies it to the host with
@@ -15,32 +16,43 @@ Batches: a dynamic policy keeps drafting while any active row wants to; per-row 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 
-class Constant:
-    """Always draft K tokens."""
+class DraftPolicy:
+    """Base of the draft-length policies: draft ``max_tokens`` = K per round, no per-token decision, nothing
+    learnt from a round. Subclasses override the hooks they need; every policy takes the same arguments
+    (``threshold``: ``confidence``'s stop probability; ``cost_ratio``: draft pass / full pass, for
+    ``adaptive``), so a decoder builds any of them from ``POLICIES`` alike."""
 
-    dynamic = False  # True: decides per drafted token in ``keep_drafting``
+    dynamic: ClassVar[bool] = False  # True: decides per drafted token in ``keep_drafting``
 
-    def __init__(self, max_tokens: int, threshold: float = 0.4, cost_ratio: float = 0.5) -> None:
+    def __init__(self, max_tokens: int, *, threshold: float = 0.4, cost_ratio: float = 0.5) -> None:
         self.k = max_tokens
 
     def draft_limit(self) -> int:
+        """The most tokens the next draft may have (the decoder also caps it by the tokens left)."""
         return self.k
 
     def begin(self) -> None:
         """Called before each draft; dynamic policies reset their per-draft state here."""
 
     def keep_drafting(self, confidence: torch.Tensor, active: torch.Tensor) -> torch.Tensor | None:
-        """``confidence [B]``: drafter probability of the token just drafted; None = no per-token decision."""
+        """``confidence [B]``: drafter probability of the token just drafted, ``active [B]`` bool: rows still
+        decoding -> 0-d device bool (draft another token?), or None: no per-token decision."""
         return None
 
     def update(self, accepted: list[int | None], drafted: int) -> None:
         """After verification: accepted drafts per row (None for rows that no longer decode)."""
 
 
-class Heuristic(Constant):
+class Constant(DraftPolicy):
+    """Always draft K tokens (the base behaviour, unchanged)."""
+
+
+class Heuristic(DraftPolicy):
     """Hugging Face's ``heuristic`` schedule: K += 2 after a fully accepted draft, else K = max(1, K - 1).
 
     K starts at ``draft_tokens`` and, as in HF, is not capped (the decoder caps it by the tokens left).
@@ -54,13 +66,13 @@ class Heuristic(Constant):
             self.k = max(1, self.k - 1)
 
 
-class Confidence(Constant):
+class Confidence(DraftPolicy):
     """HF's dynamic speculation: stop after a drafted token whose drafter probability is below ``threshold``
     (that token stays in the draft); at most K tokens."""
 
-    dynamic = True
+    dynamic: ClassVar[bool] = True
 
-    def __init__(self, max_tokens: int, threshold: float = 0.4, cost_ratio: float = 0.5) -> None:
+    def __init__(self, max_tokens: int, *, threshold: float = 0.4, cost_ratio: float = 0.5) -> None:
         super().__init__(max_tokens)
         self.threshold = threshold
 
@@ -68,7 +80,7 @@ class Confidence(Constant):
         return ((confidence >= self.threshold) & active).any()
 
 
-class Adaptive(Constant):
+class Adaptive(DraftPolicy):
     """Cost-aware stop: draft another token while the estimated probability that the whole draft so far is
     accepted exceeds the cost ratio ``c`` = draft pass / full pass (= E / L for self-speculation); at most K.
 
@@ -78,9 +90,9 @@ class Adaptive(Constant):
     one per round), with one pseudo-count each so that ``r`` starts at 1. ``r`` stays on the device.
     """
 
-    dynamic = True
+    dynamic: ClassVar[bool] = True
 
-    def __init__(self, max_tokens: int, threshold: float = 0.4, cost_ratio: float = 0.5) -> None:
+    def __init__(self, max_tokens: int, *, threshold: float = 0.4, cost_ratio: float = 0.5) -> None:
         super().__init__(max_tokens)
         self.cost_ratio = cost_ratio
         self.accepted_total = 1.0
@@ -115,7 +127,7 @@ class Adaptive(Constant):
         self.confidence_total = self.confidence_total + (confidences * labelled).sum()
 
 
-POLICIES: dict[str, type[Constant]] = {
+POLICIES: dict[str, type[DraftPolicy]] = {
     "constant": Constant,
     "heuristic": Heuristic,
     "confidence": Confidence,

@@ -33,8 +33,7 @@ from fastdecode.decoding.common import (
     prefill,
     refuse_draft_model,
 )
-from fastdecode.decoding.policies import POLICIES
-from fastdecode.draft_vocab import draft_vocab_ids
+from fastdecode.decoding.draft_vocab import draft_vocab_ids
 from fastdecode.model import EarlyExitModel
 
 
@@ -51,13 +50,15 @@ def generate(
             f"1 <= exit_layer <= {m.num_layers - 1}."
         )
     exit_layer, num_layers = cfg.exit_layer, m.num_layers
-    vocab = draft_vocab_ids(cfg, m)  # None unless decoder.draft_vocab names a subset for the draft head
+    vocab = draft_vocab_ids(cfg.draft_vocab, m)  # None unless decoder.draft_vocab names a draft head subset
     width = max(len(p) for p in prompts)
     state = prefill(m, prompts, width + cfg.max_new_tokens + cfg.draft_tokens + 1)
     cache, positions = state.cache, state.positions
-    policy = POLICIES[cfg.policy](cfg.draft_tokens, cfg.confidence_threshold, exit_layer / num_layers)
+    policy = speculative.new_policy(cfg, cost_ratio=exit_layer / num_layers)
     generator = new_generator(cfg, m.device)
-    drafter = speculative.Drafter(m, exit_layer, cache, policy, cfg, generator, vocab)
+    drafter = speculative.Drafter(
+        m, exit_layer, cache=cache, policy=policy, cfg=cfg, generator=generator, vocab=vocab
+    )
     rows = Rows(len(prompts), cfg)
     out = DecodeOutput(tokens=rows.tokens)
     last = choose(state.logits, None, cfg, generator)  # the first new token comes from the full prefill
@@ -73,9 +74,11 @@ def generate(
             max=m.config.max_position_embeddings - 1
         )
         hidden = m.run_layers(drafted.hidden, exit_layer, num_layers, pos, cache=cache)
-        verdict = speculative.accept(m.exit_logits(hidden), drafted, cfg, generator)
-        last = verdict[1]
-        kept = speculative.settle(rows, out, policy, drafted, verdict, [cache], start)
+        verdict = speculative.accept(m.exit_logits(hidden), drafted, cfg, generator=generator)
+        last = verdict.next_token
+        kept = speculative.settle(
+            rows, out, policy=policy, draft=drafted, verdict=verdict, caches=[cache], start=start
+        )
         positions = positions + (kept + 1) * active
         out.layers_run += (k + 1) * num_layers * len(live)
         out.layer_calls += (k + 1) * exit_layer + num_layers - exit_layer

@@ -2,70 +2,65 @@
 
 Step ``k`` (the k-th new token of every row) runs the warm-up layers ``[0, w)`` and the top layers
 ``[L-(b(k)-w), L)`` of the policy in ``fastdecode/skipdecode.py``; the prompt is prefilled at full depth.
+The loop is autoregressive decoding's (``autoregressive.decode_steps``) with that per-step schedule.
 
 Why the cache stays complete without recomputation: the adapter puts the queries of a ``run_layers`` call at
 slot ``cache.lengths[start]``. Layer 0 (when ``w > 0``) and every top layer that runs at step ``k`` also ran
 at every earlier step (the budget never increases), so their lengths all equal the current slot and their
 caches hold every earlier token. A layer skipped at step ``k`` is never run again, so its shorter cache is
 never read. The slot of the step is taken from the last layer, which every step runs.
+
+The options (``DecodeConfig.skip``, ``decoder.skip.*``) of a ``recipe=skipdecode`` run are in its
+``final/skipdecode.json``; ``read_skip_options`` reads them, in the nested format and in the flat one of
+files written before (``skip_max_budget``, ...), so checkpoints trained then keep their policy.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import torch
 
-from fastdecode.cache import KVCache
-from fastdecode.config import ConfigError
-from fastdecode.decoding.common import (
-    DecodeConfig,
-    DecodeOutput,
-    Rows,
-    check,
-    choose,
-    new_generator,
-    prefill,
-    probabilities,
-    refuse_draft_model,
-)
+from fastdecode.config import ConfigError, to_dataclass
+from fastdecode.decoding.autoregressive import decode_steps
+from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, refuse_draft_model
+from fastdecode.decoding.options import SkipOptions
 from fastdecode.model import EarlyExitModel
 from fastdecode.skipdecode import SkipDecodePolicy
 
 
 def policy_from_config(cfg: DecodeConfig, num_layers: int, prompt_len: int) -> SkipDecodePolicy:
-    """The policy of ``cfg``'s ``skip_*`` fields for a model of ``num_layers`` and a batch whose longest
-    prompt has ``prompt_len`` tokens; every value is checked here, before any model work."""
-    max_budget = num_layers if cfg.skip_max_budget is None else cfg.skip_max_budget
+    """The policy of ``cfg.skip`` for a model of ``num_layers`` and a batch whose longest prompt has
+    ``prompt_len`` tokens; every value is checked here, before any model work."""
+    skip = cfg.skip
+    max_budget = num_layers if skip.max_budget is None else skip.max_budget
     policy = SkipDecodePolicy(
         num_layers=num_layers,
         max_budget=max_budget,
-        min_budget=max_budget if cfg.skip_min_budget is None else cfg.skip_min_budget,
-        warmup_layers=cfg.skip_warmup_layers,
-        max_length=prompt_len + cfg.max_new_tokens if cfg.skip_max_length is None else cfg.skip_max_length,
-        keys="decoder.skip_",
+        min_budget=max_budget if skip.min_budget is None else skip.min_budget,
+        warmup_layers=skip.warmup_layers,
+        max_length=prompt_len + cfg.max_new_tokens if skip.max_length is None else skip.max_length,
+        keys="decoder.skip.",
     )
     policy.check_prompt(prompt_len)
     return policy
 
 
-def step(
-    m: EarlyExitModel,
-    policy: SkipDecodePolicy,
-    cache: KVCache,
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    valid: torch.Tensor,
-    budget: int,
-) -> torch.Tensor:
-    """Decode one token per row: ``tokens``, ``positions``, ``valid`` are ``[B]``; returns logits ``[B, V]``.
-
-    ``valid`` False gives the token a slot no row attends to (a finished row's filler).
-    """
-    pos = positions[:, None]  # [B, 1]
-    cache.reserve(valid[:, None], cache.lengths[policy.num_layers - 1], pos)
-    hidden = m.embed(tokens[:, None], pos)  # [B, 1, H]
-    for layers in policy.layer_ranges(budget):
-        hidden = m.run_layers(hidden, layers.start, layers.stop, pos, cache=cache)
-    return m.exit_logits(hidden[:, -1])
+def read_skip_options(path: str | os.PathLike) -> SkipOptions:
+    """``DecodeConfig.skip`` from a ``skipdecode.json`` written by ``recipe=skipdecode``: ``{"skip": {...}}``,
+    or the flat ``skip_*`` keys of files written before the options were nested (read the same way)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path}: cannot read SkipDecode options ({err}).") from err
+    flat = {key.removeprefix("skip_"): value for key, value in data.items() if key.startswith("skip_")}
+    if "skip" in data and flat:
+        raise ConfigError(f"{path}: has both 'skip' and flat skip_* keys ({', '.join(flat)}); keep one.")
+    if "skip" not in data and not flat:
+        raise ConfigError(f"{path}: no SkipDecode options (a 'skip' mapping) in it.")
+    return to_dataclass(SkipOptions, data.get("skip", flat), f"{path}: skip")
 
 
 @torch.inference_mode()
@@ -82,27 +77,10 @@ def generate(
     if cfg.exit_layer is not None:
         raise ConfigError(
             f"decoder.exit_layer={cfg.exit_layer}: skipdecode always ends at the last layer (its budgets "
-            "come from decoder.skip_*); set exit_layer=null."
+            "come from decoder.skip.*); set exit_layer=null."
         )
     width = max(len(p) for p in prompts)
     policy = policy_from_config(cfg, m.num_layers, width)
     budgets = policy.response_budgets(cfg.max_new_tokens, width).tolist()  # one per step, whole batch
-    state = prefill(m, prompts, width + cfg.max_new_tokens)
-    cache, positions, logits = state.cache, state.positions, state.logits
-    generator = new_generator(cfg, m.device)
-    rows = Rows(len(prompts), cfg)
-    out = DecodeOutput(tokens=rows.tokens)
-    while True:
-        probs = None if cfg.greedy else probabilities(logits, cfg)
-        tokens = choose(logits, probs, cfg, generator)  # [B]
-        rows.emit_tokens(tokens)  # the one host sync per token: EOS decides the loop
-        if not rows.active:
-            return out
-        active = rows.active_mask(m.device)  # [B] bool
-        tokens = torch.where(active, tokens, torch.zeros_like(tokens))
-        budget = budgets[out.steps]
-        logits = step(m, policy, cache, tokens, positions, active, budget)
-        positions = positions + active.long()  # finished rows stay put
-        out.steps += 1
-        out.layers_run += budget * len(rows.active)
-        out.layer_calls += budget
+    schedule = [policy.layer_ranges(budget) for budget in budgets]
+    return decode_steps(m, prompts, cfg, schedule=schedule, prefill_depth=m.num_layers)

@@ -15,10 +15,10 @@ cache must hold every accepted token (d_k is accepted whenever the whole draft i
 policies read their stop flag one token late (``LaggedFlag``): the pass of the last token is launched before
 the host knows the draft has ended, and it is never wasted work to throw away.
 
-Draft vocabulary subsets (``DecodeConfig.draft_vocab``, see ``fastdecode/draft_vocab.py``): the drafter's
-head computes logits over a subset of rows only; greedy drafting takes the argmax within the subset, sampling
-draws from the processed distribution over the subset, which - scattered into the full vocabulary, zero
-elsewhere - is exactly the ``q`` the acceptance rule needs. Verification keeps the full head, so decoding
+Draft vocabulary subsets (``DecodeConfig.draft_vocab``, built by ``fastdecode/data/draft_vocab.py``): the
+drafter's head computes logits over a subset of rows only; greedy drafting takes the argmax within the subset,
+sampling draws from the processed distribution over the subset, which - scattered into the full vocabulary,
+zero elsewhere - is exactly the ``q`` the acceptance rule needs. Verification keeps the full head, so decoding
 stays lossless whatever the subset.
 
 Why no ``torch.compile`` path: the cache is preallocated (``KVCache``) but not static-shaped - ``update``
@@ -31,29 +31,45 @@ a change to ``fastdecode/cache.py`` and the adapter, best measured on a GPU, whe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from fastdecode.cache import KVCache
 from fastdecode.decoding.common import DecodeConfig, DecodeOutput, Rows, choose, probabilities, sample
-from fastdecode.decoding.policies import Constant, LaggedFlag
+from fastdecode.decoding.policies import POLICIES, DraftPolicy, LaggedFlag
 from fastdecode.model import EarlyExitModel
 
 
 @dataclass
 class Draft:
+    """What the drafter produced in one round, for the verifier to rule on (``accept``)."""
+
     hidden: torch.Tensor  # [B, k+1, H]: drafter outputs (residual stream at its depth) of [t, d1..dk]
     tokens: torch.Tensor  # [B, k] drafted tokens (full-vocabulary ids)
-    probs: (
-        torch.Tensor | None
-    )  # [B, k, V] processed drafter probabilities over the full vocab (sampling only)
+    probs: torch.Tensor | None  # [B, k, V] processed drafter probabilities, full vocab (sampling only)
+
+
+class Verdict(NamedTuple):
+    """The verifier's ruling on one round (``accept``), one entry per row: all ``[B]`` long."""
+
+    accepted: torch.Tensor  # leading drafts accepted (greedy: prefix match; sampling: the lossless rule)
+    next_token: torch.Tensor  # the verifier's own token after them (correction, or bonus if all accepted)
+    oracle: torch.Tensor  # leading drafts equal to the verifier's argmax (the best greedy draft length)
+
+
+def new_policy(cfg: DecodeConfig, *, cost_ratio: float) -> DraftPolicy:
+    """The draft-length policy ``cfg.policy`` with K = ``cfg.draft_tokens``; ``cost_ratio`` = draft pass /
+    full pass (what ``adaptive`` weighs a further draft token against)."""
+    return POLICIES[cfg.policy](cfg.draft_tokens, threshold=cfg.confidence_threshold, cost_ratio=cost_ratio)
 
 
 def propose(
     d: EarlyExitModel,
     hidden: torch.Tensor,
     cfg: DecodeConfig,
+    *,
     generator: torch.Generator,
     vocab: torch.Tensor | None,
     want_probs: bool,
@@ -78,12 +94,14 @@ def propose(
 @dataclass
 class Drafter:
     """Drafts with layers ``[0, depth)`` of ``model`` and its exit head, writing the drafter's KV into
-    ``cache``; ``vocab [S]``: the draft vocabulary subset, or None for the full head."""
+    ``cache``; ``vocab [S]``: the draft vocabulary subset, or None for the full head. Fields after ``depth``
+    are keyword-only."""
 
     model: EarlyExitModel
     depth: int
+    _: KW_ONLY
     cache: KVCache
-    policy: Constant
+    policy: DraftPolicy
     cfg: DecodeConfig
     generator: torch.Generator
     vocab: torch.Tensor | None = None
@@ -109,7 +127,9 @@ class Drafter:
             # The flag about `token` (pushed last step) is read only now, after its pass was launched: no stall.
             if i == limit or not flag.read():
                 break
-            token, q, confidence = propose(d, hidden[:, -1], cfg, self.generator, self.vocab, policy.dynamic)
+            token, q, confidence = propose(
+                d, hidden[:, -1], cfg, generator=self.generator, vocab=self.vocab, want_probs=policy.dynamic
+            )
             tokens.append(token)
             if not cfg.greedy:
                 probs.append(q)
@@ -123,15 +143,14 @@ class Drafter:
         return Draft(torch.cat(hiddens, 1), drafted, q_all)
 
 
-def accept(
-    logits: torch.Tensor, draft: Draft, cfg: DecodeConfig, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Verifier ``logits [B, k+1, V]`` -> (accepted drafts [B], next token [B], oracle draft length [B])."""
+def accept(logits: torch.Tensor, draft: Draft, cfg: DecodeConfig, *, generator: torch.Generator) -> Verdict:
+    """Rule on ``draft`` from the verifier's ``logits [B, k+1, V]`` at ``[t, d1..dk]``; ``generator`` draws
+    the acceptance tests and the residual token when sampling."""
     k = draft.tokens.shape[1]
     target = logits.argmax(-1)  # [B, k+1]
     oracle = (draft.tokens == target[:, :k]).long().cumprod(-1).sum(-1)
     if cfg.greedy:
-        return oracle, target.gather(1, oracle[:, None])[:, 0], oracle
+        return Verdict(accepted=oracle, next_token=target.gather(1, oracle[:, None])[:, 0], oracle=oracle)
     p = probabilities(logits, cfg)  # [B, k+1, V]
     # q after the last draft is 0, so the "residual" there is p itself: the bonus token when all are accepted.
     q = torch.cat([draft.probs, torch.zeros_like(p[:, :1])], 1)
@@ -145,12 +164,12 @@ def accept(
     residual = (p_at - q_at).clamp_min(0)
     # p == q leaves no residual mass; a rejection then had probability 0, so any valid fallback is exact.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
-    return accepted, sample(residual, generator), oracle
+    return Verdict(accepted=accepted, next_token=sample(residual, generator), oracle=oracle)
 
 
-def rollback(cache: KVCache, start: int, accepted: torch.Tensor, longest: int) -> None:
+def rollback(cache: KVCache, start: int, *, accepted: torch.Tensor, longest: int) -> None:
     """Keep slots ``[start, start + longest]`` (t plus the longest accepted run); rows that accepted fewer
-    drafts get their rejected slots masked (holes)."""
+    drafts (``accepted [B]``, at most ``longest``) get their rejected slots masked (holes)."""
     cache.crop(start + longest + 1)
     offsets = torch.arange(longest + 1, device=accepted.device)  # [longest + 1]
     keep = offsets[None, :] <= accepted[:, None]  # [B, longest + 1]
@@ -160,16 +179,17 @@ def rollback(cache: KVCache, start: int, accepted: torch.Tensor, longest: int) -
 def settle(
     rows: Rows,
     out: DecodeOutput,
-    policy: Constant,
+    *,
+    policy: DraftPolicy,
     draft: Draft,
-    verdict: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    verdict: Verdict,
     caches: list[KVCache],
     start: int,
 ) -> torch.Tensor:
-    """End a round: emit each decoding row's accepted drafts and verifier token, roll every cache back to
-    the same length, book the statistics. ``verdict`` is ``accept``'s output; returns the kept drafts [B]
-    (accepted, cut at EOS / the budget), 0 for rows that no longer decode."""
-    accepted, last, oracle = verdict
+    """End a round that began at slot ``start``: emit each decoding row's accepted drafts and verifier token,
+    roll every cache back to the same length, book the statistics. Returns the kept drafts [B] (accepted, cut
+    at EOS / the budget), 0 for rows that no longer decode."""
+    accepted, last, oracle = verdict.accepted, verdict.next_token, verdict.oracle
     live, k, batch = rows.active, draft.tokens.shape[1], len(rows.tokens)
     # The one host sync per round: emitted tokens decide EOS, budgets and the rollback length.
     host = torch.cat([draft.tokens, last[:, None], accepted[:, None], oracle[:, None]], 1).tolist()
@@ -180,7 +200,7 @@ def settle(
         kept[row] = rows.emit(row, host[row][:a] + [host[row][k]]) - 1
     kept_t = torch.tensor(kept, device=last.device)
     for cache in caches:
-        rollback(cache, start, kept_t, max(kept))
+        rollback(cache, start, accepted=kept_t, longest=max(kept))
     out.record([per_row[row] for row in live], k, [host[row][k + 2] for row in live])
     policy.update(per_row, k)
     out.steps += 1
