@@ -160,6 +160,22 @@ class StaticKVCache(KVCache):
         capacity = -(-capacity // CAPACITY_BUCKET) * CAPACITY_BUCKET
         super().__init__(num_layers, batch_size, num_kv_heads, head_dim, capacity, dtype, device)
         self.slots: torch.Tensor | None = None  # [T] long on the device: where ``update`` writes
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        """CUDA graphs (``torch.compile(mode="reduce-overhead")``) replay writes into these buffers in place:
+        their addresses must be fixed inputs of the graph."""
+        if self.key_valid.device.type == "cuda":
+            for buffer in (*self.k, *self.v):
+                torch._dynamo.mark_static_address(buffer)
+
+    def _grow(self, needed: int) -> None:
+        super()._grow(needed)
+        self._mark_static()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        self._mark_static()
 
     def begin(self, start: int, steps: int) -> None:
         end = start + steps

@@ -192,14 +192,23 @@ class Engine:
     build_seconds: float = 0.0
     compile_seconds: dict[tuple, float] = field(default_factory=dict)
     _compiled: dict[tuple, Callable] = field(default_factory=dict)
+    _sources: list[torch.Tensor] = field(default_factory=list)
+    _versions: list[int] = field(default_factory=list)
     _subset: tuple | None = None  # (ids, head version, FastLinear) for exit_logits_subset
 
     def linears(self) -> list[FastLinear]:
         found = [mod for layer in self.layers for mod in layer.modules() if isinstance(mod, FastLinear)]
         return found + ([self.head] if self.head is not None else [])
 
+    def snapshot(self, parameters: Sequence[torch.Tensor]) -> None:
+        """Record the versions of every parameter the engine was built from (``stale`` compares them)."""
+        self._sources = list(parameters)
+        self._versions = [p._version for p in self._sources]
+
     def stale(self) -> bool:
-        return any(lin.stale() for lin in self.linears())
+        """True when a parameter was modified in place since the build (e.g. by an optimizer step): packed
+        and fused copies no longer match it. One version read per parameter (~10 us for SmolLM2)."""
+        return [p._version for p in self._sources] != self._versions
 
     def subset_head(self, ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> FastLinear:
         """A ``FastLinear`` over rows ``ids`` of the head (cached per ``ids`` object and head version)."""

@@ -204,7 +204,13 @@ class EarlyExitModel:
         return engine
 
     def _running_engine(self) -> Engine | None:
-        return self._engine if self._engine is not None and not torch.is_grad_enabled() else None
+        """The engine, while gradients are off; rebuilt first if a parameter changed since it was built."""
+        engine = self._engine
+        if engine is None or torch.is_grad_enabled():
+            return None
+        if engine.stale():
+            engine = self.use_engine(engine.options)
+        return engine
 
     def lean_supported(self) -> bool:
         """Whether ``RotaryLayer`` reproduces this model's layers (family, activation, module layout)."""
@@ -279,6 +285,7 @@ class EarlyExitModel:
         if head is not None:
             groups["head"].append(head)
         engine = Engine(options, layers, lean, head, final_norm)
+        engine.snapshot(list(self.hf.parameters()))
         engine.plan_all(dict(groups))
         engine.build_seconds = time.perf_counter() - start
         return engine

@@ -44,10 +44,12 @@ class EngineJob:
     steps: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 3, 5, 9, 17])
     components: list[str] = dataclasses.field(default_factory=lambda: list(COMPONENTS))
     paths: list[str] = dataclasses.field(default_factory=lambda: ["hf", "engine"])
+    ar_paths: list[str] = dataclasses.field(default_factory=lambda: ["hf", "engine"])
     subset_rows: int = 8192
     threads: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
     repeats: int = 5
     calls: int = 3
+    overhead: bool = True
     overhead_model: dict = dataclasses.field(
         default_factory=lambda: {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 30}
     )
@@ -61,9 +63,9 @@ class EngineJob:
     output_dir: str = "outputs/engine"
 
     def __post_init__(self) -> None:
-        for path in self.paths:
+        for path in self.paths + self.ar_paths:
             if path not in PATHS:
-                raise ConfigError(f"engine.paths: unknown path '{path}'; choices: {', '.join(PATHS)}.")
+                raise ConfigError(f"paths / ar_paths: unknown path '{path}'; choices: {', '.join(PATHS)}.")
         for comp in self.components:
             if comp not in COMPONENTS:
                 raise ConfigError(f"engine.components: unknown '{comp}'; choices: {', '.join(COMPONENTS)}.")
@@ -72,11 +74,15 @@ class EngineJob:
 
 
 def _options(path: str, device: torch.device):
+    """The engine of a path: lean layers always (the point of the comparison, also on CUDA, where they are
+    not the default), packed kernels where they are the default (CPU)."""
     from fastdecode.engine import default_options
 
     if path == "hf":
         return None
-    return default_options(device, static_cache=path in ("static", "compile"), compile=path == "compile")
+    return default_options(
+        device, fast_layers=True, static_cache=path in ("static", "compile"), compile=path == "compile"
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -283,15 +289,20 @@ def autoregressive(m, job: EngineJob, paths: list[str], bandwidth: float) -> dic
                 )
 
         runners["hf_generate"] = hf_generate
-        tokens = {}
-        for name, fn in runners.items():  # warm-up, and outputs for the equality check
+        tokens, compile_s = {}, {}
+        for name, fn in runners.items():  # warm-up (compiles), and outputs for the equality check
+            began = time.perf_counter()
             result = fn()
+            if name == "compile":
+                compile_s[name] = time.perf_counter() - began
             tokens[name] = result.tokens if hasattr(result, "tokens") else result[:, job.context :].tolist()
         seconds: dict[str, list[float]] = {}
         for _ in range(job.ar_repeats):
             for name, fn in runners.items():
                 seconds.setdefault(name, []).append(_clock(fn, 1, m.device))
         row = out[f"batch{batch}"] = {}
+        if compile_s:
+            out[f"batch{batch}_first_call_seconds"] = compile_s  # compile included
         hf_tok_s = batch * job.ar_new_tokens / statistics.median(seconds["hf_generate"])
         for name, s in seconds.items():
             tok_s = [batch * job.ar_new_tokens / x for x in s]
@@ -309,7 +320,7 @@ def autoregressive(m, job: EngineJob, paths: list[str], bandwidth: float) -> dic
 def _decode_flags(path: str) -> dict:
     if path == "hf":
         return {"fast_layers": False, "fast_linear": False}
-    return {"static_cache": path in ("static", "compile"), "compile": path == "compile"}
+    return {"fast_layers": True, "static_cache": path in ("static", "compile"), "compile": path == "compile"}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -348,14 +359,18 @@ def run(cfg: Any) -> dict:
             entry["engine_build_seconds"] = engine.build_seconds if engine else None
             entry["plans"] = engine.plans if engine else {}
             m.use_engine(None)
-            entry["layer_overhead"] = layer_overhead(job, [p for p in job.paths if p != "compile"])
+            if job.overhead:
+                entry["layer_overhead"] = layer_overhead(job, [p for p in job.paths if p != "compile"])
             if job.ar:
                 bandwidth = entry["machine"]["bandwidth_gb_s"]
-                entry["autoregressive"] = autoregressive(m, job, job.paths, bandwidth)
+                entry["autoregressive"] = autoregressive(m, job, job.ar_paths, bandwidth)
                 if job.bf16 and m.device.type == "cpu":
                     low, _ = load_model(dataclasses.replace(job.model, dtype="bfloat16"))
                     entry["autoregressive_bf16"] = autoregressive(
-                        EarlyExitModel(low), job, [p for p in job.paths if p in ("hf", "engine")], bandwidth
+                        EarlyExitModel(low),
+                        job,
+                        [p for p in job.ar_paths if p in ("hf", "engine")],
+                        bandwidth,
                     )
                     del low
     finally:
@@ -402,14 +417,15 @@ def to_markdown(result: dict) -> str:
                 lines.append(f"| {comp} | {path} | " + " | ".join(cells) + " |")
         if fwd["compile_seconds"]:
             lines += ["", f"Compile time (all graphs): {fwd['compile_seconds']}"]
-        over = entry["layer_overhead"]
-        lines += ["", "Per-layer-call overhead (narrow model, T=1): "]
-        lines.append(
-            ", ".join(
-                f"{p} {v['median']:.0f} us [{v['min']:.0f}-{v['max']:.0f}] ({over['ratio_vs_hf'][p]:.2f}x)"
-                for p, v in over["us_per_layer_call"].items()
+        over = entry.get("layer_overhead")
+        if over:
+            lines += ["", "Per-layer-call overhead (narrow model, T=1): "]
+            lines.append(
+                ", ".join(
+                    f"{p} {v['median']:.0f} us [{v['min']:.0f}-{v['max']:.0f}] ({over['ratio_vs_hf'][p]:.2f}x)"
+                    for p, v in over["us_per_layer_call"].items()
+                )
             )
-        )
         for key, label in (("autoregressive", "fp32"), ("autoregressive_bf16", "bf16")):
             if key not in entry:
                 continue
@@ -423,13 +439,18 @@ def to_markdown(result: dict) -> str:
                 "| --- | --- | --- | --- | --- | --- |",
             ]
             for batch_key, row in ar.items():
-                if not batch_key.startswith("batch"):
+                if not batch_key.startswith("batch") or batch_key.endswith("seconds"):
                     continue
                 for name, r in row.items():
                     lines.append(
                         f"| {batch_key[5:]} | {name} | {r['tok_s']:.1f} [{r['min']:.1f}-{r['max']:.1f}] | "
                         f"{r['vs_hf_generate']:.2f}x | {r['tok_s'] / ar['roofline_tok_s']:.2f} | "
                         f"{'yes' if r['tokens_equal_hf_generate'] else 'no'} |"
+                    )
+                first = ar.get(f"{batch_key}_first_call_seconds")
+                if first:
+                    lines.append(
+                        f"| {batch_key[5:]} | first compiled call (compile included) | {first} s | | | |"
                     )
         plans = entry.get("plans") or {}
         if plans:
