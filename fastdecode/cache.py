@@ -10,11 +10,20 @@ attention, so decoding stays bit-exact with an unpadded, per-row run in fp32.
 
 The cache implements the one method Hugging Face attention modules call on a cache,
 ``update(key, value, layer_idx, **kw)``, so HF layers write into it directly (see ``fastdecode/model.py``).
+
+Two modes. ``KVCache`` (the reference) returns the filled prefix ``[:length]`` of each layer, so attention
+shapes grow by one every step. ``StaticKVCache`` (gpt-fast's design, for ``torch.compile`` and CUDA graphs)
+keeps every shape fixed: writes go to slots given by a device tensor (``index_copy_``), attention always spans
+the whole capacity (rounded up to a bucket of ``CAPACITY_BUCKET`` slots, so prompts of similar length share
+compiled graphs), and the mask (``key_valid`` and causality by slot) hides what is not attended to. Rollback is
+the same length pointer in both; the pointers are host ints the decoder already knows without a device sync.
 """
 
 from __future__ import annotations
 
 import torch
+
+CAPACITY_BUCKET = 256  # static caches round their capacity up to a multiple of this
 
 
 class KVCache:
@@ -110,6 +119,87 @@ class KVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """HF-compatible name for ``lengths[layer_idx]``."""
         return self.lengths[layer_idx]
+
+    # Hooks of the layer-range protocol (``EarlyExitModel.run_layers``): the dynamic cache advances its
+    # pointers in ``update`` itself and attends to the filled prefix.
+    static = False
+
+    def begin(self, start: int, steps: int) -> None:
+        """Before a layer range writes ``steps`` slots from ``start`` (nothing to do here)."""
+
+    def finish(self, layers: range, steps: int) -> None:
+        """After a layer range wrote ``steps`` slots (nothing to do here: ``update`` advanced the pointers)."""
+
+    def attended(self, end: int) -> int:
+        """How many slots attention spans when the filled prefix ends at ``end``."""
+        return end
+
+
+class StaticKVCache(KVCache):
+    """The static-shape mode: same buffers, validity, positions and pointers as ``KVCache``, but ``update``
+    writes at the slots of a device index tensor and returns the whole buffers; the mask covers the whole
+    capacity. Capacity is rounded up to a multiple of ``CAPACITY_BUCKET``.
+
+    Why masking by slot is exact: a query at slot q attends to slots s <= q only (causality), and every slot
+    below q holds a key written by this or an earlier step; slots beyond the pointer are never attended to, so
+    a rollback needs no clearing. Masked slots contribute exactly zero (the mask is the dtype's minimum).
+    """
+
+    static = True
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        capacity = -(-capacity // CAPACITY_BUCKET) * CAPACITY_BUCKET
+        super().__init__(num_layers, batch_size, num_kv_heads, head_dim, capacity, dtype, device)
+        self.slots: torch.Tensor | None = None  # [T] long on the device: where ``update`` writes
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        """CUDA graphs (``torch.compile(mode="reduce-overhead")``) replay writes into these buffers in place:
+        their addresses must be fixed inputs of the graph."""
+        if self.key_valid.device.type == "cuda":
+            for buffer in (*self.k, *self.v):
+                torch._dynamo.mark_static_address(buffer)
+
+    def _grow(self, needed: int) -> None:
+        super()._grow(needed)
+        self._mark_static()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        self._mark_static()
+
+    def begin(self, start: int, steps: int) -> None:
+        end = start + steps
+        if end > self.capacity:
+            self._grow(-(-end // CAPACITY_BUCKET) * CAPACITY_BUCKET)  # a new shape: recompiles once
+        self.slots = torch.arange(start, end, device=self.key_valid.device)
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``key/value [B, H_kv, T, D]`` of layer ``layer_idx`` at ``slots`` (set by ``begin``); return
+        the layer's whole buffers. The pointers move in ``finish`` (no host state changes in here, so a
+        compiled layer range has none)."""
+        self.k[layer_idx].index_copy_(2, self.slots, key)
+        self.v[layer_idx].index_copy_(2, self.slots, value)
+        return self.k[layer_idx], self.v[layer_idx]
+
+    def finish(self, layers: range, steps: int) -> None:
+        for layer in layers:
+            self.lengths[layer] += steps
+            self.writes[layer] += steps
+
+    def attended(self, end: int) -> int:
+        return self.capacity
 
 
 def attention_mask(

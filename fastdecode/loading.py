@@ -50,11 +50,16 @@ def load_tokenizer(cfg: ModelConfig, path: str | None = None):
     return tok
 
 
-def _random_model(cfg: ModelConfig, dtype: torch.dtype) -> PreTrainedModel:
+def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     model_type = cfg.random_init.get("model_type", cfg.family)
     kwargs = {k: v for k, v in cfg.random_init.items() if k != "model_type"}
     hf_config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(cfg.seed)
+    if device.type == "cuda":  # initialise on the GPU, in the target dtype: a random 7B model in seconds
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(
+                hf_config, attn_implementation=cfg.attn_implementation, dtype=dtype
+            )
     model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=cfg.attn_implementation)
     return model.to(dtype)
 
@@ -71,7 +76,7 @@ def load_model(cfg: ModelConfig):
     dtype = resolve_dtype(cfg.dtype, device)
     start = time.perf_counter()
     if cfg.source == "random":
-        model = _random_model(cfg, dtype)
+        model = _random_model(cfg, dtype, device)
         path = None
     else:
         from fastdecode.assets import model_load_path

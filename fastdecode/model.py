@@ -11,6 +11,12 @@ An exit after block ``l`` is ``m.exit_logits(h_l)`` where ``h_l`` is the residua
 the last exit is the model's ordinary output. HF decoder layers are called directly (they are public
 ``nn.Module``s); nothing in transformers is patched.
 
+For decoding, ``use_engine`` switches the four operations to an execution engine (``fastdecode/engine.py``):
+lean layers over fused, pre-packed projections for the rotary families, packed ``FastLinear`` projections in
+an inference copy of the HF layers for the others, a packed LM head, the static-shape cache mode and compiled
+layer ranges. This module builds it from the HF modules (the only place that reads them); the engine is used
+only while gradients are disabled, so training always runs the HF modules.
+
 Adding a model family: write a ``Family`` (which attributes hold the embedding, the layers, the final norm,
 whether positions are rotary or learned) and register it in ``FAMILIES`` under HF's ``config.model_type``;
 then add a tiny config to ``tests/test_model_adapter.py`` so the parity tests cover it.
@@ -18,14 +24,20 @@ then add a tiny config to ``tests/test_model_adapter.py`` so the parity tests co
 
 from __future__ import annotations
 
+import copy
+import itertools
+import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from fastdecode.cache import KVCache, attention_mask
+from fastdecode.cache import KVCache, StaticKVCache, attention_mask
 from fastdecode.config import ConfigError, unknown_name_error
+from fastdecode.engine import Engine, EngineOptions, RotaryLayer, rms_norm, rotary_factors
+from fastdecode.fast_linear import FastLinear
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,8 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+LEAN_FAMILIES = ("llama", "mistral", "qwen2")  # pre-norm rotary layers with SiLU-gated MLPs: RotaryLayer
+MAX_COMPILED_STEPS = 32  # compiled layer ranges serve up to this many new tokens (prefills run eagerly)
 
 
 def _get(module: nn.Module, path: str | None) -> nn.Module | None:
@@ -105,6 +119,8 @@ class EarlyExitModel:
         self._windows = [self._sliding_window(i) for i in range(len(self.layers))]
         # (ids, head weight version, weight rows [S, H_out], bias [S] | None): see ``exit_logits_subset``
         self._head_subset: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None] | None = None
+        self._engine: Engine | None = None  # the selected execution engine (None: the HF modules)
+        self._engines: dict[tuple, Engine] = {}  # built engines, by what their layers depend on
 
     # ----------------------------------------------------------------------------------------------------
     # Geometry
@@ -156,9 +172,123 @@ class EarlyExitModel:
         return window
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
-        """An empty preallocated cache for this model (its dtype and device)."""
+        """An empty preallocated cache for this model (its dtype and device): a ``StaticKVCache`` when the
+        selected engine asks for the static-shape mode."""
         kv_heads, head_dim = self.kv_geometry()
-        return KVCache(self.num_layers, batch_size, kv_heads, head_dim, capacity, self.dtype, self.device)
+        static = self._engine is not None and self._engine.options.static_cache
+        kind = StaticKVCache if static else KVCache
+        return kind(self.num_layers, batch_size, kv_heads, head_dim, capacity, self.dtype, self.device)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Execution engine (fastdecode/engine.py)
+    @property
+    def engine(self) -> Engine | None:
+        """The selected engine (None: HF modules); ``use_engine`` selects one."""
+        return self._engine
+
+    def use_engine(self, options: EngineOptions | None) -> Engine | None:
+        """Decode with an engine built from this model (``options``), or with the HF modules (None).
+
+        Engines are built once per set of layer options and kept; one whose packed weights went stale (a
+        parameter modified in place since) is rebuilt. The engine runs only while gradients are disabled.
+        """
+        if options is None:
+            self._engine = None
+            return None
+        key = (*options.build_key, torch.get_num_threads())  # kernel plans are measured per thread count
+        engine = self._engines.get(key)
+        if engine is None or engine.stale():
+            engine = self._engines[key] = self._build_engine(options)
+        engine.options = options
+        self._engine = engine
+        return engine
+
+    def _running_engine(self) -> Engine | None:
+        """The engine, while gradients are off; rebuilt first if a parameter changed since it was built."""
+        engine = self._engine
+        if engine is None or torch.is_grad_enabled():
+            return None
+        if engine.stale():
+            engine = self.use_engine(engine.options)
+        return engine
+
+    def lean_supported(self) -> bool:
+        """Whether ``RotaryLayer`` reproduces this model's layers (family, activation, module layout)."""
+        cfg = self.config
+        if cfg.model_type not in LEAN_FAMILIES or getattr(cfg, "hidden_act", None) != "silu":
+            return False
+        if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0 or self._rotary is None:
+            return False
+        if self._norm is None or not hasattr(self._norm, "variance_epsilon"):
+            return False
+        attn_parts = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")
+        for layer in self.layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if attn is None or mlp is None or not all(hasattr(attn, a) for a in attn_parts):
+                return False
+            if not all(
+                isinstance(getattr(mlp, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj")
+            ):
+                return False
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                if not hasattr(getattr(layer, norm, None), "variance_epsilon"):
+                    return False
+            if len(list(layer.children())) != 4 or len(list(attn.children())) != 4:
+                return False  # extra submodules (e.g. q/k norms): not the layout RotaryLayer computes
+            if attn.head_dim != self.kv_geometry()[1]:
+                return False
+        return True
+
+    def _build_engine(self, options: EngineOptions) -> Engine:
+        start = time.perf_counter()
+        lean = options.fast_layers and self.lean_supported()
+        groups: dict[str, list[FastLinear]] = defaultdict(list)
+        layers: list[nn.Module] = []
+        final_norm = None
+        if lean:
+            heads = self.config.num_attention_heads
+            kv_heads, head_dim = self.kv_geometry()
+            for index, layer in enumerate(self.layers):
+                attn, mlp = layer.self_attn, layer.mlp
+                norms = tuple(
+                    (norm.weight, norm.variance_epsilon)
+                    for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+                )
+                lean_layer = RotaryLayer(
+                    index,
+                    norms,
+                    FastLinear.fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    FastLinear.fuse([attn.o_proj]),
+                    FastLinear.fuse([mlp.gate_proj, mlp.up_proj]),
+                    FastLinear.fuse([mlp.down_proj]),
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    attn.scaling,
+                )
+                for name, lin in lean_layer.linears().items():
+                    groups[name].append(lin)
+                layers.append(lean_layer)
+            final_norm = (self._norm.weight.detach(), self._norm.variance_epsilon)
+        elif options.fast_linear:
+            for layer in self.layers:
+                twin = _inference_copy(layer)
+                for name, mod in list(twin.named_modules()):
+                    if isinstance(mod, nn.Linear):
+                        fast = FastLinear.fuse([mod])
+                        twin.set_submodule(name, fast)
+                        groups[f"{mod.out_features}x{mod.in_features}"].append(fast)
+                layers.append(twin)
+        else:
+            layers = list(self.layers)
+        head = FastLinear.fuse([self.lm_head]) if options.fast_linear else None
+        if head is not None:
+            groups["head"].append(head)
+        engine = Engine(options, layers, lean, head, final_norm)
+        engine.snapshot(list(self.hf.parameters()))
+        engine.plan_all(dict(groups))
+        engine.build_seconds = time.perf_counter() - start
+        return engine
 
     # ----------------------------------------------------------------------------------------------------
     # The four operations
@@ -192,23 +322,43 @@ class EarlyExitModel:
             raise ValueError(f"layer range [{start}, {end}) outside [0, {self.num_layers}]")
         if start == end:
             return hidden
-        extra = {}
+        engine = self._running_engine()
+        rotary = None
         if self._rotary is not None:
-            extra["position_embeddings"] = self._rotary(hidden, position_ids=position_ids)
+            rotary = self._rotary(hidden, position_ids=position_ids)
         past = cache.lengths[start] if cache is not None else 0  # before this call writes anything
+        steps = hidden.shape[1]
+        if cache is not None:
+            cache.begin(past, steps)
         masks: dict[int | None, torch.Tensor | None] = {}
-        for idx in range(start, end):
-            window = self._windows[idx]
-            if window not in masks:
-                masks[window] = self._mask(hidden, attention_mask, cache, past, window, position_ids)
-            hidden = self.layers[idx](
-                hidden,
-                attention_mask=masks[window],
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=cache is not None,
-                **extra,
-            )
+        for window in {self._windows[idx] for idx in range(start, end)}:
+            masks[window] = self._mask(hidden, attention_mask, cache, past, window, position_ids, engine)
+        if engine is not None and engine.lean:
+            factors = rotary_factors(*rotary)
+            windows = tuple(self._windows[idx] for idx in range(start, end))
+            if engine.options.compile and cache is not None and cache.static and steps <= MAX_COMPILED_STEPS:
+                keys = tuple(masks)
+                run = engine.compiled_range(
+                    start, end, steps, _lean_range(engine.layers[start:end], windows, keys)
+                )
+                hidden = run(hidden, *factors, tuple(masks[k] for k in keys), cache)
+            else:
+                for idx, window in zip(range(start, end), windows, strict=True):
+                    hidden = engine.layers[idx](hidden, factors, masks[window], cache)
+        else:
+            layers = engine.layers if engine is not None else self.layers
+            extra = {} if rotary is None else {"position_embeddings": rotary}
+            for idx in range(start, end):
+                hidden = layers[idx](
+                    hidden,
+                    attention_mask=masks[self._windows[idx]],
+                    position_ids=position_ids,
+                    cache=cache,
+                    use_cache=cache is not None,
+                    **extra,
+                )
+        if cache is not None:
+            cache.finish(range(start, end), steps)
         return hidden
 
     def _mask(
@@ -219,23 +369,40 @@ class EarlyExitModel:
         past: int,
         window: int | None,
         position_ids: torch.Tensor,
+        engine: Engine | None = None,
     ) -> torch.Tensor | None:
         num_queries = hidden.shape[1]
         if mask is not None:
             return mask
         if cache is not None:
             end = past + num_queries
-            key_pos = cache.key_pos[:, :end] if window is not None else None
+            if engine is not None and self._maskless(cache, past, num_queries, window, engine):
+                return None
+            span = cache.attended(end)
+            key_pos = cache.key_pos[:, :span] if window is not None else None
             return attention_mask(
-                cache.key_valid[:, :end], past, num_queries, hidden.dtype, window, key_pos, position_ids
+                cache.key_valid[:, :span], past, num_queries, hidden.dtype, window, key_pos, position_ids
             )
         if num_queries == 1 or (window is None and self.config._attn_implementation == "sdpa"):
             return None  # SDPA applies causality itself (is_causal) when no mask is given
         valid = torch.ones(hidden.shape[0], num_queries, dtype=torch.bool, device=hidden.device)
         return attention_mask(valid, 0, num_queries, hidden.dtype, window)
 
+    def _maskless(self, cache: KVCache, past: int, steps: int, window: int | None, engine: Engine) -> bool:
+        """Whether the queries need no materialised mask: a dynamic cache on the CPU (where checking is free)
+        with every slot valid, no sliding window, and one query (full attention) or a causal block from slot
+        0 (SDPA's ``is_causal``; HF's eager attention ignores it, so only under SDPA or the lean layers)."""
+        if cache.static or window is not None or cache.key_valid.device.type != "cpu":
+            return False
+        if steps > 1 and (past != 0 or not (engine.lean or self.config._attn_implementation == "sdpa")):
+            return False
+        return bool(cache.key_valid[:, : past + steps].all())
+
     def exit_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm (and output projection) of a residual stream: ``[..., H] -> [..., H_out]``."""
+        engine = self._running_engine()
+        if engine is not None and engine.final_norm is not None:
+            return rms_norm(hidden, *engine.final_norm)
         if self._norm is not None:
             hidden = self._norm(hidden)
         if self._project_out is not None:
@@ -244,6 +411,9 @@ class EarlyExitModel:
 
     def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of an exit: shared final norm + LM head on ``hidden [..., H]`` -> ``[..., V]``."""
+        engine = self._running_engine()
+        if engine is not None and engine.head is not None:
+            return engine.head(self.exit_hidden(hidden))
         return self.lm_head(self.exit_hidden(hidden))
 
     def exit_logits_subset(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -255,6 +425,9 @@ class EarlyExitModel:
         they are detached: this head is for decoding, not for training.
         """
         weight = self.lm_head.weight
+        engine = self._running_engine()
+        if engine is not None and engine.head is not None:
+            return engine.subset_head(ids, weight, self.lm_head.bias)(self.exit_hidden(hidden))
         cached = self._head_subset
         if cached is None or cached[0] is not ids or cached[1] != weight._version:
             bias = self.lm_head.bias
@@ -295,3 +468,22 @@ class EarlyExitModel:
         hidden = self.embed(input_ids, position_ids)
         hidden = self.run_layers(hidden, 0, exit_layer, position_ids, cache=cache)
         return self.exit_logits(hidden)
+
+
+def _inference_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s module tree sharing its parameters and buffers (nothing is duplicated), whose
+    submodules can be swapped without touching the original."""
+    memo = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    return copy.deepcopy(module, memo)
+
+
+def _lean_range(layers: list[nn.Module], windows: tuple, keys: tuple):
+    """The function ``torch.compile`` traces for a range of lean layers: masks by window key."""
+    slots = tuple(keys.index(window) for window in windows)
+
+    def run(hidden, cos, sin, masks, cache):
+        for layer, slot in zip(layers, slots, strict=True):
+            hidden = layer(hidden, (cos, sin), masks[slot], cache)
+        return hidden
+
+    return run

@@ -11,6 +11,22 @@ from fastdecode.config import ModelConfig, load_group
 from fastdecode.loading import load_model
 
 TINY_MODELS = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-opt"]
+# Execution paths the equality tests run on (DecodeConfig fields, fastdecode/engine.py): the HF modules on the
+# dynamic cache (the reference), the CPU default (lean layers, kernels chosen by measurement), every projection
+# and head packed (MKL at one row, oneDNN above), and the static-shape cache.
+REFERENCE = {
+    "fast_layers": False,
+    "fast_linear": False,
+    "linear_kernel": None,
+    "static_cache": None,
+    "compile": False,
+}
+ENGINES = {
+    "hf": REFERENCE,
+    "fast": {},
+    "packed": {"linear_kernel": "mkl"},
+    "static": {"static_cache": True, "linear_kernel": "dnn"},
+}
 
 
 @functools.cache

@@ -50,14 +50,24 @@ RULES = [
         only=("config", "distributed", "io"),
     ),
     Rule(
-        "`cache` imports only `config`; `model` imports only `config` and `cache` (the engine).",
+        "`cache` imports only `config`; `fast_linear` nothing from fastdecode; `engine` only `config` and `fast_linear`; `model` only `config`, `cache`, `engine` and `fast_linear` (the engine).",
         areas=("cache",),
         only=("config",),
     ),
     Rule(
-        "`cache` imports only `config`; `model` imports only `config` and `cache` (the engine).",
+        "`cache` imports only `config`; `fast_linear` nothing from fastdecode; `engine` only `config` and `fast_linear`; `model` only `config`, `cache`, `engine` and `fast_linear` (the engine).",
+        areas=("fast_linear",),
+        only=(),
+    ),
+    Rule(
+        "`cache` imports only `config`; `fast_linear` nothing from fastdecode; `engine` only `config` and `fast_linear`; `model` only `config`, `cache`, `engine` and `fast_linear` (the engine).",
+        areas=("engine",),
+        only=("config", "fast_linear"),
+    ),
+    Rule(
+        "`cache` imports only `config`; `fast_linear` nothing from fastdecode; `engine` only `config` and `fast_linear`; `model` only `config`, `cache`, `engine` and `fast_linear` (the engine).",
         areas=("model",),
-        only=("config", "cache"),
+        only=("config", "cache", "engine", "fast_linear"),
     ),
     Rule(
         "`jacobi` and `skipdecode` (the concepts training and decoding share) reach neither `decoding`, "

@@ -15,6 +15,7 @@ from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig, get_decoder
 from fastdecode.decoding import assisted as assisted_module
 from fastdecode.loading import load_model
 from fastdecode.model import EarlyExitModel
+from tests.conftest import ENGINES, REFERENCE
 from tests.test_decoding import _exact_joint, _lively, _pair_pvalues, _prompts, _tiny_vocab_model
 
 assisted = DECODERS["assisted"]
@@ -64,15 +65,17 @@ def _draft(kind: str) -> EarlyExitModel:
 
 # --------------------------------------------------------------------------------------------------------
 # Greedy: token-identical to the target alone
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("kind", ["copy", "window", "other"])
-def test_assisted_greedy_equals_autoregressive(kind):
+def test_assisted_greedy_equals_autoregressive(kind, engine):
     """Every policy; 12 random prompts batched (ragged acceptance, holes in both caches), 3 batched (of
     different lengths), 2 alone. The ``copy`` drafter is the target's first two layers, so every round must
     go exactly as in self-speculation with E=2 (bar ``adaptive``, whose cost ratio differs)."""
     m, draft = _target(), _draft(kind)
     prompts = _prompts(12, seed=11)
     base = DecodeConfig(max_new_tokens=20, draft_tokens=4, eos_token_id=m.config.eos_token_id)
-    ref = autoregressive(m, prompts, base).tokens
+    ref = autoregressive(m, prompts, replace(base, **REFERENCE)).tokens
+    base = replace(base, **ENGINES[engine])
     for policy in POLICIES:
         cfg = replace(base, policy=policy)
         out = assisted(m, prompts, cfg, draft=draft)
@@ -88,12 +91,13 @@ def test_assisted_greedy_equals_autoregressive(kind):
             assert (out.accepted, out.drafted) == (selfspec.accepted, selfspec.drafted), policy
 
 
-def test_draft_equal_to_the_target_accepts_every_draft():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_draft_equal_to_the_target_accepts_every_draft(engine):
     m = _target()
     prompts = _prompts(3, seed=12)
-    cfg = DecodeConfig(max_new_tokens=20, draft_tokens=5)
+    cfg = DecodeConfig(max_new_tokens=20, draft_tokens=5, **ENGINES[engine])
     out = assisted(m, prompts, cfg, draft=m)
-    assert out.tokens == autoregressive(m, prompts, cfg).tokens
+    assert out.tokens == autoregressive(m, prompts, replace(cfg, **REFERENCE)).tokens
     assert out.acceptance_rate == 1.0 and out.drafted[:3] == [5, 5, 5]
     assert out.steps == 4  # 1 token from the prefill, then 5 drafts + 1 bonus per round, capped at 20
 
@@ -166,17 +170,26 @@ def _tiny_vocab_draft() -> EarlyExitModel:
     return EarlyExitModel(LlamaForCausalLM(config).eval())
 
 
+@pytest.mark.parametrize("engine", ["hf", "packed", "static"])
 @pytest.mark.parametrize(
     ("processing", "policy"),
     [({}, "constant"), ({"top_k": 4}, "constant"), ({"top_p": 0.8}, "adaptive")],
     ids=["plain", "top_k", "top_p-adaptive"],
 )
-def test_assisted_sampling_matches_the_target_distribution(processing, policy):
+def test_assisted_sampling_matches_the_target_distribution(processing, policy, engine):
     """4000 rows of one prompt, 4 new tokens: every adjacent pair's distribution matches the target's exact
     one (see tests/test_decoding.py), while the drafter alone is clearly rejected (the test has power)."""
     m, draft = _tiny_vocab_model(), _tiny_vocab_draft()
     prompt, samples = [3, 1, 4, 1, 5], 4000
-    cfg = DecodeConfig(max_new_tokens=4, temperature=1.0, draft_tokens=3, seed=2, policy=policy, **processing)
+    cfg = DecodeConfig(
+        max_new_tokens=4,
+        temperature=1.0,
+        draft_tokens=3,
+        seed=2,
+        policy=policy,
+        **processing,
+        **ENGINES[engine],
+    )
     joint = _exact_joint(m, prompt, 4, cfg)
     out = assisted(m, [prompt] * samples, cfg, draft=draft)
     assert 0.2 < out.acceptance_rate < 0.95  # both the accept and the residual paths were taken

@@ -15,11 +15,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastdecode.config import ConfigError
 from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig, get_decoder
-from fastdecode.decoding.common import probabilities
+from fastdecode.decoding.common import configure_engine, probabilities
 from fastdecode.decoding.policies import Adaptive, Confidence, Constant, DraftPolicy, Heuristic
 from fastdecode.decoding.speculative import Draft, Verdict, accept
 from fastdecode.model import EarlyExitModel
-from tests.conftest import TINY_MODELS, _tiny
+from tests.conftest import ENGINES, REFERENCE, TINY_MODELS, _tiny
 
 autoregressive = DECODERS["autoregressive"]
 self_speculative = DECODERS["self_speculative"]
@@ -58,11 +58,12 @@ def _prompts(count: int, seed: int, vocab: int = 261, longest: int = 14) -> list
 
 # --------------------------------------------------------------------------------------------------------
 # Autoregressive
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", TINY_MODELS)
-def test_autoregressive_greedy_equals_hf_generate(name):
+def test_autoregressive_greedy_equals_hf_generate(name, engine):
     m = _lively(name)
     for prompt in _prompts(3, seed=1):
-        cfg = DecodeConfig(max_new_tokens=16, eos_token_id=m.config.eos_token_id)
+        cfg = DecodeConfig(max_new_tokens=16, eos_token_id=m.config.eos_token_id, **ENGINES[engine])
         ours = autoregressive(m, [prompt], cfg).tokens[0]
         ids = torch.tensor([prompt])
         ref = m.hf.generate(
@@ -76,14 +77,16 @@ def test_autoregressive_greedy_equals_hf_generate(name):
         assert ours == ref[0, len(prompt) :].tolist()
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", TINY_MODELS)
 @pytest.mark.parametrize("exit_layer", [None, 2])
-def test_autoregressive_batch_equals_rows_alone(name, exit_layer):
+def test_autoregressive_batch_equals_rows_alone(name, exit_layer, engine):
     m = _lively(name)
     prompts = [_prompts(1, seed=2, longest=3)[0], *_prompts(2, seed=3, longest=14)]  # different lengths
-    cfg = DecodeConfig(max_new_tokens=20, exit_layer=exit_layer)
+    cfg = DecodeConfig(max_new_tokens=20, exit_layer=exit_layer, **ENGINES[engine])
     batch = autoregressive(m, prompts, cfg)
     assert batch.tokens == [autoregressive(m, [p], cfg).tokens[0] for p in prompts]
+    assert batch.tokens == autoregressive(m, prompts, replace(cfg, **REFERENCE)).tokens
     assert batch.layers_run == 3 * 19 * (exit_layer or m.num_layers)
     assert batch.layer_calls == 19 * (exit_layer or m.num_layers)
 
@@ -97,15 +100,19 @@ def test_pure_early_exit_differs_from_full_depth():
 
 # --------------------------------------------------------------------------------------------------------
 # Self-speculative: greedy output is token-identical to autoregressive
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-opt"])
 @pytest.mark.parametrize("upper_scale", [1.0, 0.1], ids=["random", "agreeable"])
-def test_self_speculative_greedy_equals_autoregressive(name, upper_scale):
+def test_self_speculative_greedy_equals_autoregressive(name, upper_scale, engine):
     """Every E, every policy; 12 random prompts batched (ragged acceptance, holes), 3 batched, 2 alone.
-    Sliding-window families (mistral, qwen2) check that windows count positions across holes."""
+    Sliding-window families (mistral, qwen2) check that windows count positions across holes. On every
+    execution path, against autoregressive decoding on the reference path."""
     m = _lively(name, upper_scale)
     prompts = _prompts(12, seed=TINY_MODELS.index(name))
     base = DecodeConfig(max_new_tokens=20, draft_tokens=4, eos_token_id=m.config.eos_token_id)
-    ref = autoregressive(m, prompts, base).tokens
+    ref = autoregressive(m, prompts, replace(base, **REFERENCE)).tokens
+    base = replace(base, **ENGINES[engine])
+    assert autoregressive(m, prompts, base).tokens == ref
     rates = []
     for exit_layer, policy in itertools.product(range(1, m.num_layers), POLICIES):
         cfg = replace(base, exit_layer=exit_layer, policy=policy)
@@ -120,12 +127,13 @@ def test_self_speculative_greedy_equals_autoregressive(name, upper_scale):
         assert min(rates) > 0.3 and max(rates) < 1
 
 
-def test_zeroed_upper_layers_accept_every_draft():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_zeroed_upper_layers_accept_every_draft(engine):
     m = _lively("tiny-llama", zero_from=2)
     prompts = _prompts(3, seed=5)
-    cfg = DecodeConfig(max_new_tokens=20, exit_layer=2, draft_tokens=5)
+    cfg = DecodeConfig(max_new_tokens=20, exit_layer=2, draft_tokens=5, **ENGINES[engine])
     out = self_speculative(m, prompts, cfg)
-    assert out.tokens == autoregressive(m, prompts, DecodeConfig(max_new_tokens=20)).tokens
+    assert out.tokens == autoregressive(m, prompts, DecodeConfig(max_new_tokens=20, **REFERENCE)).tokens
     assert out.acceptance_rate == 1.0 and out.drafted[:3] == [5, 5, 5]
     assert out.steps == 4  # 1 token from the prefill, then 5 drafts + 1 bonus per round, capped at 20
     assert max(out.drafted) <= cfg.max_new_tokens - 1
@@ -134,12 +142,13 @@ def test_zeroed_upper_layers_accept_every_draft():
     assert out.layer_calls == 3 * (6 * 2 + 2) + (2 + 2) < 19 * 4
 
 
-def test_eos_stops_each_row_once():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_eos_stops_each_row_once(engine):
     m = _lively("tiny-llama", 0.1)
     prompts = _prompts(3, seed=6)
-    free = autoregressive(m, prompts, DecodeConfig(max_new_tokens=20)).tokens
+    free = autoregressive(m, prompts, DecodeConfig(max_new_tokens=20, **REFERENCE)).tokens
     eos = free[0][5]
-    cfg = DecodeConfig(max_new_tokens=20, eos_token_id=[eos, 999])
+    cfg = DecodeConfig(max_new_tokens=20, eos_token_id=[eos, 999], **ENGINES[engine])
     ref = autoregressive(m, prompts, cfg).tokens
     assert ref[0] == free[0][: free[0].index(eos) + 1]
     for row, full in zip(ref, free, strict=True):
@@ -219,7 +228,7 @@ def test_accept_returns_a_verdict_with_named_fields():
 
 # --------------------------------------------------------------------------------------------------------
 # Work accounting: one shared cache, each token through each layer once
-def _count_layer_tokens(m: EarlyExitModel):
+def _count_layer_tokens(m: EarlyExitModel, layers):
     counts = [0] * m.num_layers
 
     def hook(index):
@@ -229,19 +238,23 @@ def _count_layer_tokens(m: EarlyExitModel):
 
         return count
 
-    handles = [layer.register_forward_hook(hook(i), with_kwargs=True) for i, layer in enumerate(m.layers)]
+    handles = [layer.register_forward_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
     return counts, handles
 
 
-def test_each_token_passes_each_layer_once_and_hf_runs_early_layers_more():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_each_token_passes_each_layer_once_and_hf_runs_early_layers_more(engine):
     m = _lively("tiny-llama", 0.1)
     exit_layer, prompt = 2, _prompts(1, seed=8, longest=10)[0]
-    cfg = DecodeConfig(max_new_tokens=24, exit_layer=exit_layer, draft_tokens=4)
-    counts, handles = _count_layer_tokens(m)
+    cfg = DecodeConfig(max_new_tokens=24, exit_layer=exit_layer, draft_tokens=4, **ENGINES[engine])
+    configure_engine(m, cfg)  # count the layers this path runs (the engine's, or the HF modules)
+    counts, handles = _count_layer_tokens(m, m.engine.layers if m.engine is not None else m.layers)
+    hf_counts, hf_handles = _count_layer_tokens(m, m.layers)
+    handles += hf_handles
     try:
         out = self_speculative(m, [prompt], cfg)
         ours = list(counts)
-        counts[:] = [0] * m.num_layers
+        hf_counts[:] = [0] * m.num_layers
         ref = m.hf.generate(
             torch.tensor([prompt]),
             do_sample=False,
@@ -262,10 +275,11 @@ def test_each_token_passes_each_layer_once_and_hf_runs_early_layers_more():
     assert rejected > 0 and sum(out.accepted) > 0
     assert out.layers_run == (fed + rejected - len(prompt)) * m.num_layers
     # HF's early-exit assistant keeps its own cache: its first E layers run the tokens again in verification.
-    assert all(counts[layer] > ours[layer] for layer in range(exit_layer))
+    assert all(hf_counts[layer] > ours[layer] for layer in range(exit_layer))
 
 
-def test_cache_after_self_speculation_is_the_full_model_cache():
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_cache_after_self_speculation_is_the_full_model_cache(engine):
     """After decoding, the valid slots of a row are exactly its prompt and fed tokens (holes masked)."""
     m = _lively("tiny-llama", 0.1)
     prompts = _prompts(3, seed=9)
@@ -280,7 +294,7 @@ def test_cache_after_self_speculation_is_the_full_model_cache():
 
     module.prefill = spy
     try:
-        out = self_speculative(m, prompts, DecodeConfig(max_new_tokens=15, exit_layer=2))
+        out = self_speculative(m, prompts, DecodeConfig(max_new_tokens=15, exit_layer=2, **ENGINES[engine]))
     finally:
         module.prefill = original
     cache = captured["state"].cache
@@ -354,19 +368,27 @@ def _pair_pvalues(tokens: list[list[int]], joint: torch.Tensor) -> list[float]:
     return pvalues
 
 
+@pytest.mark.parametrize("engine", ["hf", "packed", "static"])
 @pytest.mark.parametrize(
     ("processing", "policy"),
     [({}, "constant"), ({"top_k": 4}, "constant"), ({"top_p": 0.8}, "constant")]
     + [({}, policy) for policy in ("heuristic", "confidence", "adaptive")],
     ids=["plain", "top_k", "top_p", "heuristic", "confidence", "adaptive"],
 )
-def test_speculative_sampling_matches_the_target_distribution(processing, policy):
+def test_speculative_sampling_matches_the_target_distribution(processing, policy, engine):
     """4000 rows of one prompt, 4 new tokens (t1 from the prefill, t2-t3 drafted and verified, t4 a bonus or
     a correction): every adjacent pair's distribution matches the target's exactly computed one."""
     m = _tiny_vocab_model()
     prompt, samples = [3, 1, 4, 1, 5], 4000
     cfg = DecodeConfig(
-        max_new_tokens=4, temperature=1.0, exit_layer=1, draft_tokens=3, seed=1, policy=policy, **processing
+        max_new_tokens=4,
+        temperature=1.0,
+        exit_layer=1,
+        draft_tokens=3,
+        seed=1,
+        policy=policy,
+        **processing,
+        **ENGINES[engine],
     )
     joint = _exact_joint(m, prompt, 4, cfg)
     out = self_speculative(m, [prompt] * samples, cfg)

@@ -17,7 +17,7 @@ from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig
 from fastdecode.decoding.draft_vocab import draft_vocab_ids, load_draft_vocab
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokenizer import byte_tokenizer
-from tests.conftest import TINY_MODELS, _tiny
+from tests.conftest import ENGINES, REFERENCE, TINY_MODELS, _tiny
 from tests.test_assisted import _draft, _target, _tiny_vocab_draft
 from tests.test_decoding import _exact_joint, _pair_pvalues, _prompts, _tiny_vocab_model
 
@@ -100,14 +100,15 @@ def test_exit_logits_subset_equals_the_full_head_rows(name):
 
 # --------------------------------------------------------------------------------------------------------
 # Decoding with a subset head stays lossless
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("decoder", SPECULATIVE)
-def test_greedy_with_a_draft_vocab_equals_autoregressive(decoder, tmp_path):
+def test_greedy_with_a_draft_vocab_equals_autoregressive(decoder, tmp_path, engine):
     """A subset of the frequent tokens: identical output, every policy. A subset without any token the
     target emits: identical output, and no draft is ever accepted (drafts come from the subset only)."""
     m, run = _target(), SPECULATIVE[decoder]
     prompts = _prompts(6, seed=21)
-    base = DecodeConfig(max_new_tokens=16, draft_tokens=4)
-    ref = autoregressive(m, prompts, base)
+    base = DecodeConfig(max_new_tokens=16, draft_tokens=4, **ENGINES[engine])
+    ref = autoregressive(m, prompts, replace(base, **REFERENCE))
     frequent = _vocab_file(tmp_path, build_draft_vocab(ref.tokens, 60, always=[4]), "frequent.json")
     for policy in POLICIES:
         out = run(m, prompts, replace(base, policy=policy, draft_vocab=frequent))
@@ -141,8 +142,9 @@ def test_a_draft_vocab_of_every_token_reproduces_the_drafts(decoder, tmp_path):
     assert run(m, prompts, in_order).tokens == run(m, prompts, sampled).tokens
 
 
+@pytest.mark.parametrize("engine", ["hf", "packed"])
 @pytest.mark.parametrize("decoder", ["self_speculative", "assisted"])
-def test_sampling_with_a_draft_vocab_matches_the_target_distribution(decoder, tmp_path):
+def test_sampling_with_a_draft_vocab_matches_the_target_distribution(decoder, tmp_path, engine):
     """As in tests/test_decoding.py, with a drafter restricted to 4 of the 8 tokens: the draft distribution
     q is zero outside the subset, and the output still follows the target exactly."""
     m = _tiny_vocab_model()
@@ -153,6 +155,7 @@ def test_sampling_with_a_draft_vocab_matches_the_target_distribution(decoder, tm
         draft_tokens=3,
         seed=4,
         draft_vocab=_vocab_file(tmp_path, [6, 0, 2, 5], vocab_size=8),
+        **ENGINES[engine],
     )
     joint = _exact_joint(m, prompt, 4, cfg)
     if decoder == "assisted":

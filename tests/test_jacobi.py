@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from fastdecode.jacobi import (
     solve_block,
 )
 from fastdecode.model import EarlyExitModel
-from tests.conftest import TINY_MODELS, _tiny
+from tests.conftest import ENGINES, REFERENCE, TINY_MODELS, _tiny
 from tests.test_decoding import _lively, _prompts
 
 autoregressive, jacobi = DECODERS["autoregressive"], DECODERS["jacobi"]
@@ -109,16 +110,18 @@ def test_solver_keeps_exactly_the_block_in_the_cache():
     assert solver.tokens_run >= 2 * n * 3
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", TINY_MODELS)
 @pytest.mark.parametrize("batch", [1, 3])
-def test_jacobi_decoder_equals_autoregressive(name, batch):
+def test_jacobi_decoder_equals_autoregressive(name, batch, engine):
     for m in _models(name):
         for seed, (init, eos) in enumerate(
             [("repeat", None), ("prompt", 92), ("vocab", m.config.eos_token_id)]
         ):
             prompts = _prompts(batch, seed=20 + seed)
             cfg = DecodeConfig(max_new_tokens=23, jacobi=JacobiOptions(block=5, init=init), eos_token_id=eos)
-            ar = autoregressive(m, prompts, cfg)
+            ar = autoregressive(m, prompts, replace(cfg, **REFERENCE))
+            cfg = replace(cfg, **ENGINES[engine])
             out = jacobi(m, prompts, cfg)
             assert out.tokens == ar.tokens
             assert out.steps <= ar.steps + 1 and all(f >= 1 for f in out.fast_forward)

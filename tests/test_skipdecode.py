@@ -24,7 +24,7 @@ from fastdecode.skipdecode import SkipDecodePolicy, policy_hidden, response_star
 from fastdecode.skipdecode_report import lcs_length, rouge_l, skipdecode_quality, split_examples
 from fastdecode_recipes.skipdecode import decoder_options
 from skipdecode_train.module import SkipDecodeLM
-from tests.conftest import TINY_MODELS
+from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.test_decoding import _lively, _prompts
 from tests.test_layerskip_recipe import write_chat_jsonl
 
@@ -125,14 +125,17 @@ def _stepwise_logits(m, policy, prompts, continuations) -> torch.Tensor:
     return torch.stack(logits, dim=1)
 
 
+@pytest.mark.parametrize("engine", ["hf", "packed"])
 @pytest.mark.parametrize("name", TINY_MODELS)
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("warmup,high,low", [(1, 3, 2), (0, 4, 1), (2, 4, 3)])
-def test_training_forward_equals_token_by_token_decoding(name, batch, warmup, high, low):
+def test_training_forward_equals_token_by_token_decoding(name, batch, warmup, high, low, engine):
     m = _lively(name)
     prompts = _prompts(batch, seed=batch + warmup)
     cfg = DecodeConfig(
-        max_new_tokens=NEW, skip=SkipOptions(max_budget=high, min_budget=low, warmup_layers=warmup)
+        max_new_tokens=NEW,
+        skip=SkipOptions(max_budget=high, min_budget=low, warmup_layers=warmup),
+        **ENGINES[engine],
     )
     out = skipdecode(m, prompts, cfg)
     policy = policy_from_config(cfg, m.num_layers, max(map(len, prompts)))
@@ -188,13 +191,17 @@ def test_cache_is_written_and_read_only_where_the_policy_runs():
     assert all(length == slot for _, length, slot in decode_calls)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-opt"])
-def test_full_budget_equals_autoregressive(name):
+def test_full_budget_equals_autoregressive(name, engine):
     m = _lively(name)
     prompts = _prompts(3, seed=7)
     cfg = DecodeConfig(max_new_tokens=16, eos_token_id=m.config.eos_token_id)
-    full = replace_cfg(cfg, skip=SkipOptions(max_budget=m.num_layers, min_budget=m.num_layers))
-    ours, reference = skipdecode(m, prompts, full), DECODERS["autoregressive"](m, prompts, cfg)
+    full = replace_cfg(
+        cfg, skip=SkipOptions(max_budget=m.num_layers, min_budget=m.num_layers), **ENGINES[engine]
+    )
+    reference = DECODERS["autoregressive"](m, prompts, replace_cfg(cfg, **REFERENCE))
+    ours = skipdecode(m, prompts, full)
     assert ours.tokens == reference.tokens
     assert (ours.layers_run, ours.layer_calls) == (reference.layers_run, reference.layer_calls)
 

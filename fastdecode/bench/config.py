@@ -38,6 +38,7 @@ MODES = ("compare", "sweep")
 GRID_KEYS_HF = ("assistant_early_exit", "num_assistant_tokens")
 JOB_OWNED = ("max_new_tokens", "temperature", "top_k", "top_p", "eos_token_id", "seed")
 HF_OWNED = ("do_sample", "num_beams", "pad_token_id", "min_new_tokens", "max_length")
+AUTO_DRAFT_CAP = 8  # draft_tokens: auto without a usable recorded acceptance -> the adaptive policy, K <= 8
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Method:
     options: dict
     exit_layer: int | None = None
     grid: tuple[int, int] | None = None  # sweep: (exit layer, draft tokens)
+    draft_source: str | None = None  # how ``draft_tokens: auto`` was resolved
 
 
 def _positive(job: SpeedJob) -> None:
@@ -173,7 +175,74 @@ def target_model_config(job: SpeedJob) -> ModelConfig:
     return dataclasses.replace(job.model, source="hub", name_or_path=job.checkpoint, tokenizer=None)
 
 
-def _method(name: str, node: Any, exit_layer: int | None, draft: bool) -> Method:
+def recorded_acceptance(checkpoint: str | None) -> dict[int, float] | None:
+    """Per-exit greedy draft acceptance recorded with a checkpoint: the LayerSkip recipe's
+    ``exit_report.json`` (agreement of each exit with the final layer on the model's own generations, after
+    training), in the checkpoint directory or the run directory above it. None when there is none."""
+    if not checkpoint:
+        return None
+    for path in (Path(checkpoint) / "exit_report.json", Path(checkpoint).parent / "exit_report.json"):
+        if path.is_file():
+            report = json.loads(path.read_text())
+            report = report.get("after", report)
+            agreement = report.get("generations", {}).get("agreement")
+            if agreement:
+                return {int(k): float(v) for k, v in agreement.items()}
+    return None
+
+
+def head_cost_from_config(checkpoint: str) -> tuple[int, float] | None:
+    """(layers, LM head weights / one block's) from a checkpoint's ``config.json`` (no weights loaded), for
+    Llama-style and OPT layouts; None when the geometry is not there."""
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
+    try:
+        hidden, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+        heads = cfg["num_attention_heads"]
+        inner = cfg.get("intermediate_size") or cfg["ffn_dim"]
+    except KeyError:
+        return None
+    head_dim = cfg.get("head_dim") or hidden // heads
+    kv = (cfg.get("num_key_value_heads") or heads) * head_dim
+    gated = cfg.get("model_type") != "opt"
+    block = 2 * hidden * heads * head_dim + 2 * hidden * kv + (3 if gated else 2) * hidden * inner
+    return layers, vocab * cfg.get("word_embed_proj_dim", hidden) / block
+
+
+def resolve_draft_tokens(options: dict, exit_layer: int | None, checkpoint: str | None) -> str | None:
+    """``draft_tokens: auto``: the draft length K the cost model picks from the acceptance at E recorded with
+    the checkpoint (``policy: constant``), or, when none is recorded or no K is expected to pay, the adaptive
+    policy with K <= ``AUTO_DRAFT_CAP``. Rewrites ``options``; returns how K was chosen (None: not auto)."""
+    if options.get("draft_tokens") != "auto":
+        return None
+    from fastdecode.exit_report import choose_exit
+
+    acceptance = recorded_acceptance(checkpoint)
+    geometry = head_cost_from_config(checkpoint) if checkpoint else None
+    alpha = acceptance.get(exit_layer) if acceptance and exit_layer is not None else None
+    if alpha is not None and geometry is not None:
+        layers, head_cost = geometry
+        choice = choose_exit(
+            {exit_layer: alpha}, layers, AUTO_DRAFT_CAP, min_speedup=1.0, head_cost=head_cost
+        )
+        if choice["exit"] is not None:
+            options.update(policy="constant", draft_tokens=int(choice["draft"]))
+            return (
+                f"cost model: recorded acceptance {alpha:.2f} at E={exit_layer} -> K={choice['draft']} "
+                f"(expected {choice['expected_speedup']:.2f}x)"
+            )
+        reason = f"recorded acceptance {alpha:.2f} at E={exit_layer}: no constant K is expected to pay"
+    else:
+        reason = "no acceptance recorded for this exit"
+    options.update(policy="adaptive", draft_tokens=AUTO_DRAFT_CAP)
+    return f"adaptive, K <= {AUTO_DRAFT_CAP} ({reason})"
+
+
+def _method(
+    name: str, node: Any, exit_layer: int | None, draft: bool, checkpoint: str | None = None
+) -> Method:
     spec = to_dataclass(MethodConfig, node, f"decoder.{name}")
     if spec.engine not in ENGINES:
         raise unknown_name_error("engine", spec.engine, list(ENGINES), f"(decoder.{name}.engine)")
@@ -193,12 +262,13 @@ def _method(name: str, node: Any, exit_layer: int | None, draft: bool) -> Method
                 "or a checkpoint whose generation_config.json has assistant_early_exit."
             )
         options[exit_key] = exit_layer
+    draft_source = resolve_draft_tokens(options, options.get(exit_key), checkpoint)
     if spec.uses_draft and not draft:
         raise ConfigError(
             f"method '{name}' needs a draft model: pass draft_model=NAME (a configs/model option) or a path."
         )
     check_options(name, spec, options)
-    return Method(name, spec, options, options.get(exit_key))
+    return Method(name, spec, options, options.get(exit_key), draft_source=draft_source)
 
 
 def check_options(name: str, spec: MethodConfig, options: dict) -> None:
@@ -251,10 +321,12 @@ def plan(cfg: Any) -> tuple[SpeedJob, list[Method], str]:
     target_model_config(job)
     if job.mode == "sweep":
         selected = [n for n in job.decoder if n in (job.baseline, job.hf_baseline)]
-        methods = [_method(n, job.decoder[n], exit_layer, draft) for n in selected]
+        methods = [_method(n, job.decoder[n], exit_layer, draft, job.checkpoint) for n in selected]
         methods = _sweep_methods(job, methods, draft)
     else:
-        methods = [_method(name, node, exit_layer, draft) for name, node in job.decoder.items()]
+        methods = [
+            _method(name, node, exit_layer, draft, job.checkpoint) for name, node in job.decoder.items()
+        ]
     names = [m.name for m in methods]
     for key in ("baseline", "hf_baseline"):
         value = getattr(job, key)

@@ -127,7 +127,10 @@ def run(cfg: Any) -> dict:
     annotate(summary, methods, runners, hf_layers)
     result = {
         "meta": environment(job, model, exit_source),
-        "methods": {m.name: {"engine": m.spec.engine, "options": m.options} for m in methods},
+        "methods": {
+            m.name: {"engine": m.spec.engine, "options": m.options, "draft_source": m.draft_source}
+            for m in methods
+        },
         "prompts": [pid for pid, _ in prompts],
         "skipped": skipped,
         "summary": summary,

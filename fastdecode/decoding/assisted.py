@@ -27,7 +27,16 @@ import torch
 from fastdecode.cache import KVCache
 from fastdecode.config import ConfigError
 from fastdecode.decoding import speculative
-from fastdecode.decoding.common import DecodeConfig, DecodeOutput, Rows, check, choose, new_generator, prefill
+from fastdecode.decoding.common import (
+    DecodeConfig,
+    DecodeOutput,
+    Rows,
+    check,
+    choose,
+    configure_engine,
+    new_generator,
+    prefill,
+)
 from fastdecode.decoding.draft_vocab import draft_vocab_ids
 from fastdecode.model import EarlyExitModel
 
@@ -91,6 +100,7 @@ def generate(
     """Speculative decoding of ``prompts`` on the target ``m``, drafting with the separate model ``draft``."""
     check_draft(m, draft, cfg, prompts)
     check(cfg, m, prompts)
+    configure_engine(draft, cfg)
     # None unless decoder.draft_vocab names a subset for the draft head
     vocab = draft_vocab_ids(cfg.draft_vocab, draft)
     capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + cfg.draft_tokens + 1

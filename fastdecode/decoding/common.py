@@ -20,6 +20,8 @@ from fastdecode.cache import KVCache
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.decoding.options import JacobiOptions, SkipOptions
 from fastdecode.decoding.policies import POLICIES
+from fastdecode.engine import default_options
+from fastdecode.fast_linear import KERNELS
 from fastdecode.model import EarlyExitModel
 
 
@@ -56,6 +58,12 @@ class DecodeConfig:
         "jacobi_block": "jacobi.block",
         "jacobi_init": "jacobi.init",
     }
+    # execution engine (fastdecode/engine.py); null = the default for the device (CPU: on; CUDA: off)
+    fast_layers: bool | None = None  # lean layers over fused projections (Llama/Mistral/Qwen2 families)
+    fast_linear: bool | None = None  # pre-packed CPU kernels for every projection and the LM head
+    linear_kernel: str | None = None  # null: per number of rows, by measurement; or linear | mkl | dnn
+    static_cache: bool | None = None  # the static-shape cache mode (null: only when compiling)
+    compile: bool = False  # torch.compile of each layer range per number of new tokens (static cache)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -77,6 +85,14 @@ class DecodeConfig:
             raise ConfigError(f"decoder.confidence_threshold={self.confidence_threshold}: must be in [0, 1].")
         if self.policy not in POLICIES:
             raise unknown_name_error("draft-length policy", self.policy, list(POLICIES), "(decoder.policy)")
+        if self.linear_kernel is not None and self.linear_kernel not in KERNELS:
+            raise unknown_name_error(
+                "linear kernel", self.linear_kernel, list(KERNELS), "(decoder.linear_kernel)"
+            )
+        if self.compile and self.static_cache is False:
+            raise ConfigError(
+                "decoder.compile=true needs the static cache: set decoder.static_cache=true or null."
+            )
 
     @property
     def greedy(self) -> bool:
@@ -149,8 +165,18 @@ class DecodeOutput:
         self.oracle += oracle
 
 
+def configure_engine(m: EarlyExitModel, cfg: DecodeConfig) -> None:
+    """Select the model's execution engine for this call from ``cfg`` (``fastdecode/engine.py``)."""
+    m.use_engine(
+        default_options(
+            m.device, cfg.fast_layers, cfg.fast_linear, cfg.linear_kernel, cfg.static_cache, cfg.compile
+        )
+    )
+
+
 def check(cfg: DecodeConfig, m: EarlyExitModel, prompts: list[list[int]] | None = None) -> None:
-    """Validate ``cfg`` (and ``prompts``) against the model before any work is done."""
+    """Validate ``cfg`` (and ``prompts``) against the model before any work is done; with prompts (a decoding
+    call), also select the model's execution engine for the call (``configure_engine``)."""
     num_layers = m.num_layers
     if cfg.exit_layer is not None and not 1 <= cfg.exit_layer <= num_layers - 1:
         raise ConfigError(
@@ -173,6 +199,7 @@ def check(cfg: DecodeConfig, m: EarlyExitModel, prompts: list[list[int]] | None 
             )
         if min(prompt) < 0 or max(prompt) >= m.vocab_size:
             raise ConfigError(f"prompt {i} has token ids outside the vocabulary [0, {m.vocab_size}).")
+    configure_engine(m, cfg)
 
 
 def refuse_draft_model(name: str, draft: EarlyExitModel | None) -> None:

@@ -1,0 +1,235 @@
+"""Linear layers for decoding on a CPU: pre-packed weights, the fastest kernel chosen per number of rows.
+
+Why: decoding multiplies a few rows (M = batch x new tokens: 1 for a plain step, k+1 for a verification, 4-8
+for a batch) by every weight matrix. ``F.linear`` hands such small-M products to MKL's general GEMM, which at
+M = 2-17 runs far below both the machine's compute peak and its memory bandwidth (on the 2-core AVX2
+development machine a forward over 5 tokens costs 1.8x a 1-token forward though the weights are streamed
+once either way). Two CPU kernels in PyTorch take weights packed once, ahead of time:
+
+- ``mkl``: ``torch.ops.mkl._mkl_linear`` with ``torch.ops.mkl._mkl_reorder_linear_weight(W, M)`` (MKL's
+  packed SGEMM; the pack is valid for that M only, so it is built for M = 1);
+- ``dnn``: ``torch.ops.mkldnn._linear_pointwise`` with ``torch.ops.mkldnn._reorder_linear_weight(W)``
+  (oneDNN's blocked layout; any M).
+
+``FastLinear`` keeps the plain weight too (``linear`` = ``F.linear``) and a *plan*: the kernel for each M up to
+``len(plan)``; larger M (prefill) use ``F.linear``. ``calibrate`` picks the plan by timing every kernel at a
+few M on the model's own weights, sweeping all the layers that share a shape (so the weights are cold, as in
+decoding, not cached). Every kernel computes the same dot products in fp32 (results equal within rounding;
+``calibrate`` checks it and drops a kernel that disagrees).
+
+Packed weights are copies made for inference: ``FastLinear`` records the version counters of the parameters
+it was built from, and ``stale()`` says when they changed (an optimizer step) so that the owner rebuilds it.
+Nothing here is ever trained: with gradients enabled the plain ``F.linear`` runs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KERNELS = ("linear", "mkl", "dnn")
+PROBE_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)  # M values timed by ``calibrate``
+TIE = 0.05  # a plain ``F.linear`` must be this much faster to be chosen over a packed kernel
+MAX_PLANNED_ROWS = PROBE_ROWS[-1]  # above: F.linear (large M is what MKL's GEMM is built for)
+
+
+def available_kernels(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """Kernels usable for weights on ``device`` in ``dtype``: packing is a CPU fp32 matter (oneDNN's bf16
+    path needs AVX-512 or AVX-NE-CONVERT; it is probed, not assumed)."""
+    if device.type != "cpu":
+        return ("linear",)
+    kernels = ["linear"]
+    if dtype == torch.float32 and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+        kernels.append("mkl")
+    if torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16):
+        try:
+            probe = torch.zeros(8, 8, dtype=dtype)
+            torch.ops.mkldnn._linear_pointwise(
+                probe, torch.ops.mkldnn._reorder_linear_weight(probe, None), None, "none", [], ""
+            )
+            kernels.append("dnn")
+        except RuntimeError:  # e.g. bf16 on a CPU without the instructions oneDNN needs
+            pass
+    return tuple(kernels)
+
+
+class FastLinear(nn.Module):
+    """``y = x @ weight.T + bias`` with a kernel chosen per number of rows of ``x``; for inference only.
+
+    Args:
+        weight: ``[N, K]`` (detached; may be a concatenation of several layers' weights, e.g. fused QKV).
+        bias: ``[N]`` or None.
+        sources: the parameters ``weight``/``bias`` were made from (their versions are recorded).
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, sources: Sequence[torch.Tensor] = ()
+    ) -> None:
+        super().__init__()
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+        self.out_features, self.in_features = self.weight.shape
+        self._sources = list(sources)
+        self._versions = [p._version for p in self._sources]
+        self.packed: dict[str, torch.Tensor] = {}
+        self.plan: tuple[str, ...] = ()
+        self._calls: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = ()
+
+    @classmethod
+    def fuse(cls, linears: Sequence[nn.Linear]) -> FastLinear:
+        """One layer computing the outputs of ``linears`` (same input) side by side: ``[N1 + N2 + ..., K]``."""
+        weights = [lin.weight for lin in linears]
+        biases = [lin.bias for lin in linears]
+        if any(b is not None for b in biases):
+            biases = [
+                b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+                for b, w in zip(biases, weights, strict=True)
+            ]
+            bias = torch.cat([b.detach() for b in biases])
+        else:
+            bias = None
+        sources = [p for lin in linears for p in (lin.weight, lin.bias) if p is not None]
+        weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+        return cls(weight, bias, sources)
+
+    def stale(self) -> bool:
+        """True when a source parameter was modified in place since this layer was built."""
+        return any(p._version != v for p, v in zip(self._sources, self._versions, strict=True))
+
+    # ----------------------------------------------------------------------------------------------------
+    def _kernel(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        weight, bias = self.weight, self.bias
+        if name == "linear":
+            return lambda x: F.linear(x, weight, bias)
+        if name == "mkl":
+            if "mkl" not in self.packed:
+                self.packed["mkl"] = torch.ops.mkl._mkl_reorder_linear_weight(weight, 1)
+            packed = self.packed["mkl"]
+            return lambda x: torch.ops.mkl._mkl_linear(x, packed, weight, bias, 1)
+        if name == "dnn":
+            if "dnn" not in self.packed:
+                self.packed["dnn"] = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            packed = self.packed["dnn"]
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        raise ValueError(f"unknown linear kernel '{name}'; choices: {', '.join(KERNELS)}")
+
+    def set_plan(self, plan: Sequence[str]) -> None:
+        """Use kernel ``plan[M - 1]`` for inputs of M rows (``mkl`` only at M = 1); drop unused packs."""
+        plan = tuple(plan)
+        for rows, name in enumerate(plan, start=1):
+            if name not in KERNELS or (name == "mkl" and rows != 1):
+                raise ValueError(f"kernel '{name}' cannot serve {rows} rows (mkl packs are for M = 1)")
+        for name in list(self.packed):
+            if name not in plan:
+                del self.packed[name]
+        self.plan = plan
+        kernels = {name: self._kernel(name) for name in set(plan)}
+        self._calls = tuple(kernels[name] for name in plan)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
+            # training never uses packs; a compiled graph picks its own kernels (packed oneDNN weights are
+            # opaque tensors that inductor cannot trace)
+            return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // self.in_features
+        if rows <= len(self._calls):
+            return self._calls[rows - 1](x)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, plan={'/'.join(self.plan) or 'linear'}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Choosing the plan by measurement
+def uniform_plan(kernel: str, rows: int = MAX_PLANNED_ROWS, available: Sequence[str] = KERNELS) -> list[str]:
+    """A fixed plan: ``kernel`` for every M (``mkl`` at M = 1 only, ``dnn`` above it), where available."""
+    fallback = "dnn" if "dnn" in available else "linear"
+    plan = []
+    for m in range(1, rows + 1):
+        name = kernel if kernel in available else "linear"
+        if name == "mkl" and m > 1:
+            name = fallback
+        plan.append(name)
+    return plan
+
+
+def _time(call: Callable[[], object], repeats: int) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def calibrate(
+    group: Sequence[FastLinear],
+    available: Sequence[str],
+    rows: Sequence[int] = PROBE_ROWS,
+    repeats: int = 5,
+    max_members: int = 8,
+    budget_s: float = 1.5,
+) -> tuple[list[str], dict[int, dict[str, float]]]:
+    """Time every kernel in ``available`` at each M of ``rows`` on ``group`` (layers of one shape), set the
+    fastest as the group's plan, and return it with the timings (seconds per sweep).
+
+    A sweep runs up to ``max_members`` members of the group one after the other (distinct weights, so they
+    stream from memory as in decoding); kernels are interleaved and the best of ``repeats`` rounds is kept
+    (the least disturbed on a shared machine). ``F.linear`` wins only if ``TIE`` faster than the best packed
+    kernel. A kernel whose output differs from ``F.linear`` by more than rounding is dropped. Probing stops
+    once the sweeps have taken ``budget_s`` (larger M then keep the last choice).
+    """
+    members = list(group)[:max_members]
+    first = members[0]
+    dtype, device = first.weight.dtype, first.weight.device
+    kernels = [k for k in KERNELS if k in available]
+    probe = torch.randn(max(rows), first.in_features, dtype=dtype, device=device)
+    choice: dict[int, str] = {}
+    timings: dict[int, dict[str, float]] = {}
+    spent = 0.0
+    with torch.inference_mode():
+        for m in rows:
+            x = probe[:m]
+            ref = F.linear(x, first.weight, first.bias)
+            scale = ref.abs().max().item() + 1.0
+            candidates = {}
+            for name in kernels:
+                if name == "mkl" and m != 1:
+                    continue
+                calls = [member._kernel(name) for member in members]
+                if (calls[0](x) - ref).abs().max().item() > 1e-4 * scale:
+                    continue  # not within fp32 rounding: never used
+                candidates[name] = calls
+            results = {name: math.inf for name in candidates}
+            start = time.perf_counter()
+            for calls in candidates.values():
+                for call in calls:
+                    call(x)  # warm-up (first use of a pack)
+            for _ in range(repeats):
+                for name, calls in candidates.items():
+                    t = _time(lambda calls=calls, x=x: [call(x) for call in calls], 1)
+                    results[name] = min(results[name], t)
+            timings[m] = results
+            packed = {k: v for k, v in results.items() if k != "linear"}
+            best = min(packed, key=packed.get) if packed else "linear"
+            if "linear" in results and results["linear"] < (1 - TIE) * results.get(best, math.inf):
+                best = "linear"
+            choice[m] = best
+            spent += time.perf_counter() - start
+            if spent > budget_s:
+                break
+    plan, current = [], "linear"
+    for m in range(1, max(rows) + 1):
+        current = choice.get(m, current)
+        if current == "mkl" and m > 1:  # an unprobed M between probes: the nearest probed choice but mkl
+            current = "dnn" if "dnn" in kernels else "linear"
+        plan.append(current)
+    for member in group:
+        member.set_plan(plan)
+    return plan, timings

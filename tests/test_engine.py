@@ -1,0 +1,325 @@
+"""The execution engine (fastdecode/engine.py, fast_linear.py, the static cache): every kernel equals
+``F.linear`` within rounding, engine layers equal HF's layers for every family and cache mode, packed copies
+follow in-place weight changes, training never runs them, the compiled path decodes like the reference."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from torch import nn
+
+from fastdecode.cache import CAPACITY_BUCKET, KVCache, StaticKVCache
+from fastdecode.config import CONFIG_DIR, ConfigError
+from fastdecode.decoding import DECODERS, DecodeConfig
+from fastdecode.engine import EngineOptions, RotaryLayer, default_options
+from fastdecode.fast_linear import FastLinear, available_kernels, calibrate, uniform_plan
+from fastdecode.model import EarlyExitModel
+from tests.conftest import ENGINES, REFERENCE, TINY_MODELS, _tiny
+from tests.test_decoding import _lively, _prompts
+
+KERNELS = available_kernels(torch.device("cpu"), torch.float32)
+ENGINE_OPTIONS = {
+    "fast": EngineOptions(),
+    "packed": EngineOptions(kernel="mkl"),
+    "static": EngineOptions(kernel="dnn", static_cache=True),
+    "hf-packed": EngineOptions(fast_layers=False, kernel="dnn"),
+}
+
+
+# --------------------------------------------------------------------------------------------------------
+# FastLinear
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_kernel_equals_f_linear_at_every_row_count(kernel, bias):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 40, generator=gen)
+    b = torch.randn(96, generator=gen) if bias else None
+    lin = FastLinear(weight, b)
+    lin.set_plan(uniform_plan(kernel, available=KERNELS))
+    for rows in [1, 2, 3, 5, 9, 17, 32, 33, 70]:
+        for shape in [(rows, 40), (1, rows, 40)]:
+            x = torch.randn(shape, generator=gen)
+            with torch.inference_mode():
+                torch.testing.assert_close(lin(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_plans_are_checked_and_packs_follow_the_plan():
+    lin = FastLinear(torch.randn(8, 4))
+    with pytest.raises(ValueError, match="mkl packs are for M = 1"):
+        lin.set_plan(["linear", "mkl"])
+    if "dnn" in KERNELS:
+        lin.set_plan(["dnn"] * 4)
+        assert set(lin.packed) == {"dnn"}
+        lin.set_plan(["linear"] * 4)
+        assert lin.packed == {}  # unused packs are dropped
+
+
+def test_calibration_picks_a_valid_plan_and_drops_a_wrong_kernel():
+    class Wrong(FastLinear):  # a "dnn" kernel that is off by one: must never be chosen
+        def _kernel(self, name):
+            if name == "dnn":
+                return lambda x: F.linear(x, self.weight, self.bias) + 1
+            return super()._kernel(name)
+
+    group = [Wrong(torch.randn(64, 32)) for _ in range(3)]
+    plan, timings = calibrate(group, ("linear", "dnn"), rows=(1, 2, 4), repeats=1)
+    assert plan == ["linear"] * 4 and all("dnn" not in t for t in timings.values())
+    good = [FastLinear(torch.randn(64, 32)) for _ in range(3)]
+    plan, timings = calibrate(good, KERNELS, rows=(1, 2, 4), repeats=1)
+    assert len(plan) == 4 and set(plan) <= set(KERNELS) and all(k != "mkl" for k in plan[1:])
+    assert all(lin.plan == tuple(plan) for lin in good)
+
+
+def test_fused_projection_is_the_side_by_side_outputs():
+    gen = torch.Generator().manual_seed(1)
+    parts = [nn.Linear(16, n, bias=b) for n, b in [(8, True), (4, False), (4, True)]]
+    fused = FastLinear.fuse(parts)
+    fused.set_plan(uniform_plan("dnn", available=KERNELS))
+    x = torch.randn(3, 16, generator=gen)
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], -1), rtol=1e-5, atol=1e-6)
+    assert not fused.stale()
+    with torch.no_grad():
+        parts[1].weight.mul_(2)
+    assert fused.stale()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Engine layers against HF's layers
+def _fresh(name: str) -> EarlyExitModel:
+    return EarlyExitModel(_lively(name).hf)  # a new adapter (own engines) over the shared lively weights
+
+
+@pytest.mark.parametrize("variant", ENGINE_OPTIONS)
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_engine_forward_and_cached_decoding_equal_the_hf_layers(name, variant):
+    """Full forward (no cache), and token-by-token + block decoding on the cache the engine asks for, equal
+    the HF modules' logits within fp32 rounding; the lean path serves exactly the rotary families."""
+    m = _fresh(name)
+    ids = torch.tensor([_prompts(1, seed=3, longest=12)[0] + [7, 8, 9]])
+    with torch.inference_mode():
+        m.use_engine(None)
+        ref = m.forward(ids)
+        engine = m.use_engine(ENGINE_OPTIONS[variant])
+        assert engine.lean == (name != "tiny-opt" and ENGINE_OPTIONS[variant].fast_layers)
+        torch.testing.assert_close(m.forward(ids), ref, rtol=1e-4, atol=1e-5)
+        cache = m.new_cache(1, 4)  # grows (the static one to a bucket)
+        assert isinstance(cache, StaticKVCache) == ENGINE_OPTIONS[variant].static_cache
+        steps = [m.forward(ids[:, :5], cache=cache)]
+        for t in range(5, ids.shape[1] - 3):
+            steps.append(m.forward(ids[:, t : t + 1], cache=cache))
+        steps.append(m.forward(ids[:, -3:], cache=cache))  # a verification-like block of 3
+        torch.testing.assert_close(torch.cat(steps, 1), ref, rtol=1e-4, atol=1e-5)
+    m.use_engine(None)
+
+
+def test_lean_layer_is_hf_layer_math():
+    """One RotaryLayer against the HF LlamaDecoderLayer it was built from, with a cache and a mask."""
+    m = _fresh("tiny-llama")
+    engine = m.use_engine(EngineOptions(fast_linear=False))
+    assert all(isinstance(layer, RotaryLayer) for layer in engine.layers)
+    hidden = torch.randn(2, 5, m.config.hidden_size)
+    pos = torch.arange(5).expand(2, -1)
+    with torch.inference_mode():
+        outs = []
+        for use in (None, engine.options):
+            m.use_engine(use)
+            cache = m.new_cache(2, 8)
+            cache.reserve(torch.tensor([[False, True, True, True, True]] * 2), 0, pos)
+            outs.append(m.run_layers(hidden, 0, m.num_layers, pos, cache=cache))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
+def test_fallback_layers_are_inference_copies_sharing_the_parameters():
+    m = _fresh("tiny-opt")
+    engine = m.use_engine(EngineOptions(kernel="dnn"))
+    assert not engine.lean
+    copy = engine.layers[0]
+    assert copy is not m.layers[0] and isinstance(copy.fc1, FastLinear)
+    assert isinstance(m.layers[0].fc1, nn.Linear)  # the model itself is untouched
+    assert copy.fc1.weight.data_ptr() == m.layers[0].fc1.weight.data_ptr()
+    assert copy.self_attn_layer_norm.weight is m.layers[0].self_attn_layer_norm.weight
+
+
+# --------------------------------------------------------------------------------------------------------
+# Packed copies follow in-place changes; training never sees them
+def test_engine_is_rebuilt_after_an_in_place_weight_change():
+    m = EarlyExitModel(_lively("tiny-llama").hf.__class__(_lively("tiny-llama").hf.config).eval())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        m.use_engine(EngineOptions(kernel="mkl"))
+        before = m.forward(ids)
+        built = m.engine
+    with torch.no_grad():
+        for p in m.hf.parameters():
+            p.mul_(1.5)
+    with torch.inference_mode():
+        after = m.forward(ids)
+        assert m.engine is not built  # stale packs were rebuilt before use
+        m.use_engine(None)
+        reference = m.forward(ids)
+    torch.testing.assert_close(after, reference, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(after, before)
+
+
+def test_training_runs_the_hf_modules_with_an_engine_selected():
+    m = _fresh("tiny-llama")
+    m.use_engine(EngineOptions(kernel="dnn"))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    calls = []
+    handle = m.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    try:
+        loss = m.forward(ids).logsumexp(-1).mean()  # gradients on: the HF layers run
+        loss.backward()
+    finally:
+        handle.remove()
+    assert calls and m.layers[0].self_attn.q_proj.weight.grad is not None
+    m.hf.zero_grad(set_to_none=True)
+    with torch.inference_mode():
+        m.forward(ids)
+    assert len(calls) == 1  # inference used the engine's layers, not the hooked HF module
+
+
+# --------------------------------------------------------------------------------------------------------
+# Static cache and masks
+def test_static_cache_writes_at_slots_and_spans_its_capacity():
+    cache = StaticKVCache(2, 1, 1, 2, 10, torch.float32, "cpu")
+    assert cache.capacity == CAPACITY_BUCKET and cache.static
+    cache.reserve(torch.ones(1, 3, dtype=torch.bool), 0)
+    cache.begin(0, 3)
+    k, _ = cache.update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2), 0)
+    assert k.shape[2] == CAPACITY_BUCKET and cache.lengths == [0, 0]  # pointers move in finish
+    cache.finish(range(0, 1), 3)
+    assert cache.lengths == [3, 0] and cache.attended(3) == CAPACITY_BUCKET
+    cache.crop(1)
+    assert cache.lengths == [1, 0]  # rollback: the pointer only
+    cache.begin(CAPACITY_BUCKET, 2)  # past the end: grows to the next bucket
+    assert cache.capacity == 2 * CAPACITY_BUCKET
+
+
+def test_dense_queries_need_no_materialised_mask():
+    m = _fresh("tiny-llama")
+    engine = m.use_engine(EngineOptions())
+    cache = m.new_cache(2, 16)
+    assert type(cache) is KVCache
+    cache.reserve(torch.ones(2, 4, dtype=torch.bool), 0)
+    hidden, pos = torch.zeros(2, 4, 8), torch.arange(4).expand(2, -1)
+    assert m._mask(hidden, None, cache, 0, None, pos, engine) is None  # causal block from slot 0
+    cache.lengths = [4] * m.num_layers
+    cache.reserve(torch.ones(2, 1, dtype=torch.bool), 4)
+    assert m._mask(hidden[:, :1], None, cache, 4, None, pos[:, :1], engine) is None  # one query, all valid
+    cache.reserve(torch.ones(2, 2, dtype=torch.bool), 4)
+    assert m._mask(hidden[:, :2], None, cache, 4, None, pos[:, :2], engine) is not None  # block after past
+    cache.key_valid[1, 0] = False  # a hole: the mask is needed
+    assert m._mask(hidden[:, :1], None, cache, 4, None, pos[:, :1], engine) is not None
+    assert m._mask(hidden[:, :1], None, cache, 4, None, pos[:, :1], None) is not None  # reference: unchanged
+
+
+# --------------------------------------------------------------------------------------------------------
+# Configuration
+def test_engine_config_errors_and_defaults():
+    with pytest.raises(ConfigError, match="Unknown linear kernel 'mkk'"):
+        DecodeConfig(max_new_tokens=4, linear_kernel="mkk")
+    with pytest.raises(ConfigError, match="compile=true needs the static cache"):
+        DecodeConfig(max_new_tokens=4, compile=True, static_cache=False)
+    assert default_options(torch.device("cpu")) == EngineOptions()
+    assert default_options(torch.device("cpu"), fast_layers=False, fast_linear=False) is None
+    cuda = default_options(torch.device("cuda"))  # no GPU needed: only the defaults are computed
+    assert cuda is None
+    assert default_options(torch.device("cuda"), compile=True).static_cache
+    assert set(ENGINES["hf"]) == set(REFERENCE)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Compiled path (slow: inductor compiles one graph per layer range and number of new tokens)
+@pytest.mark.slow
+@pytest.mark.parametrize("decoder", ["autoregressive", "self_speculative"])
+def test_compiled_decoding_equals_the_reference(decoder):
+    m = _lively("tiny-llama", 0.1)
+    prompts = _prompts(3, seed=31, longest=40)  # prompts of > 32 tokens prefill eagerly
+    cfg = DecodeConfig(max_new_tokens=12, exit_layer=2, draft_tokens=3, **REFERENCE)
+    if decoder == "autoregressive":
+        cfg = replace(cfg, exit_layer=None)
+    ref = DECODERS["autoregressive"](m, prompts, replace(cfg, exit_layer=None)).tokens
+    out = DECODERS[decoder](m, prompts, replace(cfg, compile=True, static_cache=None, fast_layers=None))
+    assert out.tokens == ref
+    assert m.engine.compile_seconds and all(s > 0 for s in m.engine.compile_seconds.values())
+    again = DECODERS[decoder](m, prompts, replace(cfg, compile=True, static_cache=None, fast_layers=None))
+    assert again.tokens == ref
+
+
+# --------------------------------------------------------------------------------------------------------
+# The benchmark entry point
+def test_engine_benchmark_writes_its_report(tmp_path):
+    from fastdecode_cli.engine import run
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="engine",
+            overrides=[
+                "model=tiny-llama",
+                "exit_layer=2",
+                "context=16",
+                "steps=[1,2]",
+                "threads=[1]",
+                "repeats=1",
+                "calls=1",
+                "ar_new_tokens=4",
+                "ar_repeats=1",
+                "bf16=false",
+                "bandwidth_mb=8",
+                "paths=[hf,engine,static]",
+                "ar_paths=[hf,engine,static]",
+                "overhead_model.num_hidden_layers=3",
+                f"output_dir={tmp_path}",
+            ],
+        )
+        result = run(cfg)
+    saved = json.loads((tmp_path / "engine.json").read_text())
+    entry = saved["threads"]["1"]
+    assert set(entry["forward"]["paths"]) == {"hf", "engine", "static"}
+    assert entry["forward"]["paths"]["engine"]["model"]["2"]["vs_hf_T1"] > 0
+    ar = entry["autoregressive"]["batch1"]
+    assert all(r["tokens_equal_hf_generate"] for r in ar.values())  # every path decodes like HF generate
+    assert "Forward cost" in (tmp_path / "engine.md").read_text()
+    assert result["model"] == "tiny-llama"
+    assert _tiny("tiny-llama")[0].training is False
+
+
+# --------------------------------------------------------------------------------------------------------
+# The default draft length (configs/decoder/self_speculative.yaml: draft_tokens: auto)
+def _checkpoint(tmp_path, acceptance: dict[int, float] | None):
+    final = tmp_path / "run" / "final"
+    final.mkdir(parents=True)
+    geometry = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4}
+    geometry |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 261}
+    (final / "config.json").write_text(json.dumps(geometry))
+    if acceptance is not None:
+        report = {"after": {"generations": {"agreement": {str(k): v for k, v in acceptance.items()}}}}
+        (tmp_path / "run" / "exit_report.json").write_text(json.dumps(report))
+    return str(final)
+
+
+def test_auto_draft_length_follows_the_recorded_acceptance(tmp_path):
+    from fastdecode.bench.config import AUTO_DRAFT_CAP, head_cost_from_config, resolve_draft_tokens
+
+    options = {"policy": "constant", "draft_tokens": "auto"}
+    assert resolve_draft_tokens(options, 2, None).startswith("adaptive")  # nothing recorded
+    assert options == {"policy": "adaptive", "draft_tokens": AUTO_DRAFT_CAP}
+    good = _checkpoint(tmp_path / "good", {1: 0.5, 2: 0.95, 4: 1.0})
+    layers, head_cost = head_cost_from_config(good)
+    assert layers == 4 and head_cost == pytest.approx(261 * 64 / (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128))
+    options = {"policy": "constant", "draft_tokens": "auto"}
+    source = resolve_draft_tokens(options, 2, good)
+    assert options["policy"] == "constant" and options["draft_tokens"] >= 2 and "cost model" in source
+    poor = _checkpoint(tmp_path / "poor", {2: 0.3})  # at E=2 of 4 layers no constant K pays
+    options = {"policy": "constant", "draft_tokens": "auto"}
+    assert "no constant K" in resolve_draft_tokens(options, 2, poor)
+    assert options["policy"] == "adaptive"
+    fixed = {"policy": "constant", "draft_tokens": 3}
+    assert resolve_draft_tokens(fixed, 2, good) is None and fixed["draft_tokens"] == 3
