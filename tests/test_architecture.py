@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAINING = {"layerskip_train", "cllm_train", "skipdecode_train"}
+TRAINING = {"layerskip_train", "cllm_train", "skipdecode_train", "adapter_train"}
 ENTRY = {"fastdecode_cli", "eval"}
 FORBIDDEN = {
     "fastdecode": TRAINING | {"fastdecode_recipes"} | ENTRY,
