@@ -56,18 +56,25 @@ from fastdecode_recipes.common import TrainJob, resolve_resume, training_argumen
 log = logging.getLogger(__name__)
 
 
-def draft_vocabulary(rcfg: ExitAdapterConfig, train: list[dict], tokenizer, m: EarlyExitModel):
-    """The draft vocabulary the adapters train and draft with: a given file (checked against the tokenizer),
-    the most frequent trained-on tokens, or None (the full head)."""
-    if rcfg.draft_vocab is not None:
-        ids, vocab_size = load_draft_vocab(rcfg.draft_vocab)
-        if vocab_size != len(tokenizer) or len(ids) == 0 or int(ids.max()) >= m.vocab_size:
-            raise DraftVocabMismatchError(
-                f"recipe.draft_vocab={rcfg.draft_vocab!r} was built for a vocabulary of {vocab_size} ids but "
-                f"this tokenizer has {len(tokenizer)} (the model's head {m.vocab_size} rows): rebuild it with "
-                "this tokenizer, or set recipe.draft_vocab=null."
-            )
-        return ids.to(m.device)
+def given_draft_vocabulary(rcfg: ExitAdapterConfig, tokenizer, m: EarlyExitModel):
+    """``recipe.draft_vocab`` (a file) checked against the tokenizer and the model, or None."""
+    if rcfg.draft_vocab is None:
+        return None
+    ids, vocab_size = load_draft_vocab(rcfg.draft_vocab)
+    if vocab_size != len(tokenizer) or len(ids) == 0 or int(ids.max()) >= m.vocab_size:
+        raise DraftVocabMismatchError(
+            f"recipe.draft_vocab={rcfg.draft_vocab!r} was built for a vocabulary of {vocab_size} ids but "
+            f"this tokenizer has {len(tokenizer)} (the model's head {m.vocab_size} rows): rebuild it with "
+            "this tokenizer, or set recipe.draft_vocab=null."
+        )
+    return ids.to(m.device)
+
+
+def draft_vocabulary(rcfg: ExitAdapterConfig, train: list[dict], tokenizer, m: EarlyExitModel, given):
+    """The draft vocabulary the adapters train and draft with: the given one, the most frequent trained-on
+    tokens (``draft_vocab_size``), or None (the full head)."""
+    if given is not None:
+        return given
     if rcfg.draft_vocab_size is None or rcfg.draft_vocab_size >= len(tokenizer):
         return None
     return draft_vocab_from_examples(train, tokenizer, rcfg.draft_vocab_size).to(m.device)
@@ -163,7 +170,8 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
     set_seed(job.seed)
     model, tokenizer = load_model(job.model)
     m = EarlyExitModel(model)
-    rcfg.validate(m.num_layers)  # ExitLayerError before any data or model work
+    rcfg.validate(m.num_layers)  # ExitLayerError before any data work
+    given_vocab = given_draft_vocabulary(rcfg, tokenizer, m)  # DraftVocabMismatchError, likewise
     model.requires_grad_(False)
     model.eval()
     base_hash = weights_fingerprint(model, full=True)
@@ -172,7 +180,7 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
         save_resolved_config(cfg, out)
     feature_dir = Path(rcfg.features.dir) if rcfg.features.dir else out / "features"
     train, held_out = build_datasets(job.data, tokenizer)
-    vocab = draft_vocabulary(rcfg, train, tokenizer, m)
+    vocab = draft_vocabulary(rcfg, train, tokenizer, m, given_vocab)
     report_set = _report_set(rcfg, tokenizer, held_out) if rcfg.report.enabled else []
     with torch.no_grad():  # the base model's perplexity, to compare with the one after training
         ppl_before = perplexity(m, report_set, rcfg.report.held_out_examples) if report_set else None

@@ -58,6 +58,14 @@ def _saved(tmp_path: Path, m: EarlyExitModel, adapter, name: str, vocab=None) ->
     return str(save_adapter(adapter, tmp_path / name, m, vocab=vocab))
 
 
+def tiny_llama_adapter(tmp_path: Path, exit_layer: int, kind: str = "block") -> str:
+    """A random adapter for the shared tiny-llama (what ``model=tiny-llama`` loads), saved under tmp_path."""
+    model, tokenizer = _tiny("tiny-llama")
+    m = EarlyExitModel(model)
+    adapter = _perturbed(m, exit_layer, kind, std=0.02)
+    return str(save_adapter(adapter, tmp_path / f"adapter-E{exit_layer}", m, tokenizer))
+
+
 # --------------------------------------------------------------------------------------------------------
 # Lossless decoding through an adapter
 @pytest.mark.parametrize("name", TINY_MODELS)
@@ -383,3 +391,38 @@ def test_a_feature_cache_of_another_model_tokenizer_or_setting_is_refused(tmp_pa
     qwen = EarlyExitModel(_tiny("tiny-qwen2")[0])
     with pytest.raises(AdapterMismatchError, match="model_type: 'llama' there, 'qwen2' here"):
         build_features(qwen, tokenizer, _examples(4), tmp_path, fcfg, [1, 2], "synthetic")
+
+
+# --------------------------------------------------------------------------------------------------------
+# The speed benchmark and the per-exit report
+def test_the_speed_benchmark_runs_self_speculation_through_an_adapter(tmp_path):
+    from eval.speed import run
+    from tests.test_speed import _tiny_cfg
+
+    path = tiny_llama_adapter(tmp_path, 3, "attention")
+    cfg = _tiny_cfg(
+        tmp_path,
+        "decoder=[autoregressive,self_speculative_adapter,self_speculative_adapter_constant]",
+        f"adapter={path}",
+        "hf_baseline=null",
+        "repeats=1",
+        "batch_sizes=[1,2]",
+    )
+    result = run(cfg)
+    rows = [r for r in result["summary"] if "adapter" in r["method"]]
+    assert len(rows) == 4 and all(r["match_rate"] == 1.0 and r["exit_layer"] == 3 for r in rows)
+    assert all(r["acceptance_rate"] is not None for r in rows)
+    assert result["methods"]["self_speculative_adapter"]["options"]["adapter"] == path
+    with pytest.raises(Exception, match="drafts through an exit adapter and none is set"):
+        run(_tiny_cfg(tmp_path, "decoder=[autoregressive,self_speculative_adapter]", "hf_baseline=null"))
+
+
+def test_the_exit_report_compares_raw_exits_with_adapters(tmp_path):
+    from fastdecode.exit_report import adapter_generation_report
+
+    m = _lively("tiny-llama", 0.1)
+    adapters = {e: _perturbed(m, e, "block", seed=e, std=0.02).eval() for e in (1, 3)}
+    generations = [(p + [7, 8, 9, 10, 11], len(p)) for p in _prompts(3, seed=5)]
+    report = adapter_generation_report(m, adapters, generations, torch.arange(0, 200))
+    assert set(report["raw"]) == set(report["adapter"]) == {1, 3} and report["tokens"] == 15
+    assert all(0 <= v <= 1 for v in [*report["raw"].values(), *report["adapter"].values()])
