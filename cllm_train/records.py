@@ -24,13 +24,13 @@ Readers: ``read_manifest`` + ``check_manifest`` (refuse trajectories of another 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from fastdecode.config import ConfigError
+from fastdecode.identity import model_identity, tokenizer_fingerprint  # noqa: F401 (re-exported)
 from fastdecode.jacobi import first_mismatch
 
 SCHEMA_VERSION = 1
@@ -50,24 +50,6 @@ FIELDS = (
 
 class RecordError(ConfigError):
     """A trajectory file or record is malformed; the message names the file, the line and the problem."""
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> dict:
-    """``{"name", "vocab_size", "vocab_hash"}``: sha256 over the sorted (token, id) pairs of the vocabulary.
-
-    Two tokenizers with the same hash map every token to the same id, whatever path they were loaded from.
-    """
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
-    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
-    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-    return {"name": name, "vocab_size": len(vocab), "vocab_hash": digest}
-
-
-def model_identity(model_cfg: Any) -> str:
-    """The model id stored in a manifest for a ``ModelConfig``: hub id / path, or ``random:<name>:<seed>``."""
-    if model_cfg.source == "random":
-        return f"random:{model_cfg.name}:{model_cfg.seed}"
-    return model_cfg.name_or_path or model_cfg.name
 
 
 def _fail(where: str, problem: str) -> RecordError:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from fastdecode.data.chat import user_prompt_ids
 from fastdecode.model import EarlyExitModel
-from fastdecode.tokens import IGNORE_INDEX, next_token_targets, perplexity
+from fastdecode.tokens import IGNORE_INDEX, next_token_nll, next_token_targets, perplexity
 
 
 @dataclass
@@ -132,28 +132,90 @@ def choose_exit(
     max_draft: int = 8,
     min_speedup: float = 1.05,
     head_cost: float = 0.0,
+    draft_blocks: dict[int, float] | None = None,
+    verify_cost: float = 1.0,
 ) -> dict:
     """The exit E and draft length K with the best expected self-speculation speedup.
 
     Cost model (units of one full forward, memory-bound decoding, ``h = head_cost`` in blocks): a drafted token
     costs ``c = (E + h) / (L + h)``; one round (K drafts, the last draft's pass through layers < E, the
-    verification through layers >= E and the head) costs ``K * c + 1``. Speedup = tokens per round / cost.
-    Returns ``exit: None`` when no exit is expected to gain ``min_speedup`` (speculating would not pay), with
-    the best pair found (even a slowdown) as ``best_found``.
+    verification through layers >= E and the head) costs ``K * c + verify_cost`` (1 when a verification of
+    K+1 positions costs one step, as on a memory-bound GPU). Speedup = tokens per round / cost.
+    ``draft_blocks[E]``: a drafted token's cost in blocks when it is not ``E + h`` (an exit adapter adds its
+    own weights; a draft vocabulary shrinks the head). Returns ``exit: None`` when no exit is expected to gain
+    ``min_speedup`` (speculating would not pay), with the best pair found (even a slowdown) as ``best_found``.
     """
     best = {"exit": None, "draft": 0, "expected_speedup": 0.0}
     for exit_, alpha in agreement.items():
         exit_ = int(exit_)
         if exit_ >= num_layers:
             continue
-        cost = (exit_ + head_cost) / (num_layers + head_cost)
+        blocks = (draft_blocks or {}).get(exit_, exit_ + head_cost)
+        cost = blocks / (num_layers + head_cost)
         for k in range(1, max_draft + 1):
-            speedup = expected_tokens_per_step(alpha, k) / (k * cost + 1)
+            speedup = expected_tokens_per_step(alpha, k) / (k * cost + verify_cost)
             if speedup > best["expected_speedup"]:
                 best = {"exit": exit_, "draft": k, "expected_speedup": speedup}
     if best["expected_speedup"] < min_speedup:
         best = {"exit": None, "draft": 0, "expected_speedup": 1.0, "best_found": best}
     return best
+
+
+@torch.no_grad()
+def adapter_generation_report(
+    m: EarlyExitModel, adapters: dict, generations: list[tuple[list, int]], vocab: torch.Tensor | None = None
+) -> dict:
+    """Per exit E of ``adapters`` (E -> ``ExitAdapter``): top-1 agreement with the final layer on the model's
+    own greedy tokens of the raw exit and of the exit through its adapter, both through the drafter's head
+    (the draft vocabulary ``vocab [S]`` when given: argmax within it, as drafting does). This is the greedy
+    draft acceptance per position of self-speculation with that drafter."""
+    raw, adapted, tokens = {e: 0 for e in adapters}, {e: 0 for e in adapters}, 0
+
+    def draft_argmax(hidden: torch.Tensor) -> torch.Tensor:
+        if vocab is None:
+            return m.exit_logits(hidden).argmax(-1)
+        return vocab[m.exit_logits_subset(hidden, vocab).argmax(-1)]
+
+    for ids, prompt_len in generations:
+        seq = torch.tensor(ids, device=m.device)[None]
+        positions = torch.arange(len(ids), device=m.device)[None]
+        mask = torch.zeros(len(ids), dtype=torch.bool, device=m.device)
+        mask[prompt_len - 1 : len(ids) - 1] = True
+        if not mask.any():
+            continue
+        hidden, done, preds = m.embed(seq, positions), 0, {}
+        for exit_layer in sorted(adapters):
+            hidden = m.run_layers(hidden, done, exit_layer, positions)
+            done = exit_layer
+            out = adapters[exit_layer](m, hidden, positions)
+            preds[exit_layer] = (draft_argmax(hidden[0, mask]), draft_argmax(out[0, mask]))
+        hidden = m.run_layers(hidden, done, m.num_layers, positions)
+        final = m.exit_logits(hidden[0, mask]).argmax(-1)
+        for exit_layer, (r, a) in preds.items():
+            raw[exit_layer] += int((r == final).sum())
+            adapted[exit_layer] += int((a == final).sum())
+        tokens += int(mask.sum())
+    n = max(tokens, 1)
+    return {
+        "raw": {e: v / n for e, v in sorted(raw.items())},
+        "adapter": {e: v / n for e, v in sorted(adapted.items())},
+        "tokens": tokens,
+        "head_rows": m.vocab_size if vocab is None else len(vocab),
+    }
+
+
+@torch.no_grad()
+def model_perplexity(m: EarlyExitModel, examples: list[dict], max_examples: int | None = None) -> dict:
+    """The model's (final layer's) perplexity on the labelled tokens of ``examples`` and the token count."""
+    nll, tokens = 0.0, 0
+    for ex in examples[:max_examples]:
+        ids = torch.tensor(ex["input_ids"], device=m.device)[None]  # [1, T]
+        labels = torch.tensor(ex["labels"], device=m.device)[None]  # [1, T], shifted by next_token_nll
+        positions = torch.arange(ids.shape[1], device=m.device)[None]
+        hidden = m.run_layers(m.embed(ids, positions), 0, m.num_layers, positions)
+        total, count = next_token_nll(hidden, labels, m.exit_logits)
+        nll, tokens = nll + float(total), tokens + count
+    return {"perplexity": perplexity(nll, tokens), "tokens": tokens}
 
 
 def plot_reports(reports: dict[str, dict], path: str) -> None:

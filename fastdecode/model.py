@@ -52,6 +52,7 @@ class Family:
     embed_positions: str | None = None  # learned absolute positions (OPT)
     project_in: str | None = None  # optional projections (OPT-350m)
     project_out: str | None = None
+    attn_norm: str = "input_layernorm"  # a decoder layer's norm before its self-attention (exit adapters)
 
 
 ROTARY_DECODER = Family(backbone="model")
@@ -66,6 +67,7 @@ FAMILIES: dict[str, Family] = {
         embed_positions="embed_positions",
         project_in="project_in",
         project_out="project_out",
+        attn_norm="self_attn_layer_norm",
     ),
 }
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -171,13 +173,15 @@ class EarlyExitModel:
             return None
         return window
 
-    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+    def new_cache(self, batch_size: int, capacity: int, extra_layers: int = 0) -> KVCache:
         """An empty preallocated cache for this model (its dtype and device): a ``StaticKVCache`` when the
-        selected engine asks for the static-shape mode."""
+        selected engine asks for the static-shape mode. ``extra_layers`` more layer slots after the model's
+        own (an exit adapter's attention keeps its KV in slot ``num_layers``)."""
         kv_heads, head_dim = self.kv_geometry()
         static = self._engine is not None and self._engine.options.static_cache
         kind = StaticKVCache if static else KVCache
-        return kind(self.num_layers, batch_size, kv_heads, head_dim, capacity, self.dtype, self.device)
+        layers = self.num_layers + extra_layers
+        return kind(layers, batch_size, kv_heads, head_dim, capacity, self.dtype, self.device)
 
     # ----------------------------------------------------------------------------------------------------
     # Execution engine (fastdecode/engine.py)
@@ -442,6 +446,68 @@ class EarlyExitModel:
         return torch.nn.functional.linear(self.exit_hidden(hidden), cached[2], cached[3])
 
     # ----------------------------------------------------------------------------------------------------
+    # Exit adapters (fastdecode/exit_adapter.py): blocks of this family outside the model's layer stack
+    def adapter_block(self, kind: str, source: int, slot: int) -> nn.Module:
+        """A trainable copy of decoder layer ``source`` whose attention keeps its KV in cache layer ``slot``.
+
+        ``kind="block"``: the whole decoder layer. ``kind="attention"``: Kangaroo's adapter (Liu et al., 2024),
+        the layer's pre-attention norm and self-attention with its residual, then a second norm of the same
+        type (weight 1, bias 0: at initialisation it changes nothing, since the shared final norm follows).
+        The model's own layers are untouched (deep copies; ``requires_grad`` on).
+        """
+        layer = copy.deepcopy(self.layers[source])
+        for module in layer.modules():
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = slot
+        if kind == "block":
+            block = layer
+        elif kind == "attention":
+            if getattr(layer, "do_layer_norm_before", True) is False:
+                raise ConfigError(
+                    "the 'attention' exit adapter needs a pre-norm model (this one normalises after "
+                    "attention, do_layer_norm_before=False); use the 'block' adapter kind."
+                )
+            norm = _get(layer, self.family.attn_norm)
+            out_norm = copy.deepcopy(norm)
+            with torch.no_grad():
+                for name, param in out_norm.named_parameters():
+                    param.fill_(1.0 if name == "weight" else 0.0)
+            block = AttentionBlock(norm, layer.self_attn, out_norm)
+        else:
+            raise unknown_name_error("exit adapter kind", kind, ["block", "attention"])
+        return block.requires_grad_(True)
+
+    def run_block(
+        self,
+        block: nn.Module,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        slot: int,
+        window: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Run ``block`` (from ``adapter_block``) on ``hidden [B, T, H]`` like one more layer whose KV lives in
+        cache layer ``slot``; masks as in ``run_layers`` (``window``: its sliding window, None for full)."""
+        extra = {}
+        if self._rotary is not None:
+            extra["position_embeddings"] = self._rotary(hidden, position_ids=position_ids)
+        past = cache.lengths[slot] if cache is not None else 0
+        mask = self._mask(hidden, attention_mask, cache, past, window, position_ids)
+        return block(
+            hidden,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            **extra,
+        )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: full attention)."""
+        return self._windows[layer]
+
+    # ----------------------------------------------------------------------------------------------------
     # Convenience
     def forward(
         self,
@@ -487,3 +553,31 @@ def _lean_range(layers: list[nn.Module], windows: tuple, keys: tuple):
         return hidden
 
     return run
+
+
+class AttentionBlock(nn.Module):
+    """Kangaroo's exit adapter: ``out_norm(h + self_attn(norm(h)))`` with a Hugging Face attention module."""
+
+    def __init__(self, norm: nn.Module, self_attn: nn.Module, out_norm: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.self_attn, self.out_norm = norm, self_attn, out_norm
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        use_cache: bool = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        kwargs = {"position_embeddings": position_embeddings} if position_embeddings is not None else {}
+        out, _ = self.self_attn(
+            hidden_states=self.norm(hidden),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        return self.out_norm(hidden + out)

@@ -1,7 +1,10 @@
 """``fastdecode-exits`` / ``python eval/exits.py``: per-exit quality report, e.g. ``fastdecode-exits checkpoint=outputs/layerskip-smollm2-135m/final``.
 
 Writes ``exits.json`` (per exit: agreement with the final layer and perplexity on held-out data, agreement on
-the model's own greedy generations, the recommended exit) and ``exits.png`` into ``output_dir``.
+the model's own greedy generations, the recommended exit) and ``exits.png`` into ``output_dir``. With
+``adapter=PATH`` (a ``recipe=exit_adapter`` run's ``final/`` or one adapter directory) the report adds, per
+adapter exit, the agreement of the raw exit and of the exit through its adapter on the same generations (both
+through the adapter's draft head), and the exit the head-aware cost model recommends with adapters.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class ExitsJob:
     max_new_tokens: int = 64
     held_out_examples: int = 32
     max_draft: int = 8
+    adapter: str | None = None
     output_dir: str = "outputs/exits"
 
 
@@ -55,10 +59,56 @@ def run(cfg: Any) -> dict:
         reports[label]["recommended"] = choose_exit(
             agreement, model.config.num_hidden_layers, job.max_draft, head_cost=head_cost_in_blocks(model)
         )
+        if job.adapter and label != "base":
+            reports[label]["adapters"] = adapter_report(model, tokenizer, job, prompts)
     out = Path(job.output_dir)
     atomic_write_json(out / "exits.json", reports)
     plot_reports(reports, str(out / "exits.png"))
     return reports
+
+
+def adapter_report(model, tokenizer, job: ExitsJob, prompts: list[str]) -> dict:
+    """Raw exit vs exit adapter on the model's own greedy generations, and the head-aware choice."""
+    import json
+
+    from fastdecode.exit_adapter import INDEX_FILE, load_adapter
+    from fastdecode.exit_report import (
+        adapter_generation_report,
+        choose_exit,
+        greedy_generations,
+        head_cost_in_blocks,
+    )
+    from fastdecode.model import EarlyExitModel
+
+    m = EarlyExitModel(model)
+    root = Path(job.adapter)
+    if (root / INDEX_FILE).is_file():  # a training run: every exit's adapter
+        names = json.loads((root / INDEX_FILE).read_text())["adapters"]
+        dirs = [root / name for name in names.values()]
+    else:
+        dirs = [root]
+    loaded = [load_adapter(d, m, tokenizer) for d in dirs]
+    vocabs = {None if ids is None else tuple(ids.tolist()) for _, _, ids in loaded}
+    if len(vocabs) > 1:
+        raise ValueError(
+            f"the adapters under {root} use different draft vocabularies; report them one by one"
+        )
+    vocab = loaded[0][2]
+    adapters = {a.exit_layer: a for a, _, _ in loaded}
+    generations = greedy_generations(model, tokenizer, prompts, job.max_new_tokens)
+    report = adapter_generation_report(m, adapters, generations, vocab)
+    block = sum(p.numel() for p in m.layers[0].parameters())
+    head = m.step_cost(depth=0, head_rows=None if vocab is None else len(vocab)) / block
+    blocks = {e: e + a.cost_in_blocks(m) + head for e, a in adapters.items()}
+    report["recommended"] = choose_exit(
+        report["adapter"],
+        m.num_layers,
+        job.max_draft,
+        head_cost=head_cost_in_blocks(model),
+        draft_blocks=blocks,
+    )
+    report["draft_blocks"] = blocks
+    return report
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="exits", version_base="1.3")

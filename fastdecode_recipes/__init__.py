@@ -14,6 +14,7 @@ RECIPES: dict[str, str] = {
     "layerskip": "fastdecode_recipes.layerskip",
     "skipdecode": "fastdecode_recipes.skipdecode",
     "cllm": "fastdecode_recipes.cllm",
+    "exit_adapter": "fastdecode_recipes.exit_adapter",
 }
 
 

@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
-TRAINING = {"layerskip_train", "cllm_train", "skipdecode_train"}
+TRAINING = {"layerskip_train", "cllm_train", "skipdecode_train", "adapter_train"}
 ENTRY = {"fastdecode_cli", "eval", "train", "collect_jacobi"}  # console scripts, eval/, the root scripts
 SHARED_TRAINING = "fastdecode.training"
 FORBIDDEN = {

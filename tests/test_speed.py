@@ -41,7 +41,9 @@ def _tiny_cfg(tmp_path, *extra: str):
 
 
 @pytest.mark.parametrize("name", group_choices("decoder"))
-def test_every_decoder_option_composes_and_plans(name):
+def test_every_decoder_option_composes_and_plans(name, tmp_path):
+    from tests.test_exit_adapter import tiny_llama_adapter  # methods drafting through an exit adapter
+
     cfg = _compose(
         f"decoder=[{name}]",
         "model=tiny-llama",
@@ -49,6 +51,7 @@ def test_every_decoder_option_composes_and_plans(name):
         "draft_model=tiny-llama",
         "baseline=null",
         "hf_baseline=null",
+        f"adapter={tiny_llama_adapter(tmp_path, 2)}",
     )
     assert list(cfg.decoder) == [name]  # each file is keyed by its own name
     spec = to_dataclass(MethodConfig, cfg.decoder[name], f"decoder.{name}")

@@ -10,7 +10,9 @@ A *method* is one entry of the ``decoder`` group (``configs/decoder/<name>.yaml`
   (``num_assistant_tokens``, ``assistant_confidence_threshold``, ...).
 
 ``uses_exit_layer`` injects the job's exit layer E (``decoder.exit_layer`` for ours, ``assistant_early_exit`` for
-HF) unless ``options`` fixes one; ``uses_draft`` passes the draft model (``draft=`` / ``assistant_model=``);
+HF) unless ``options`` fixes one; ``uses_adapter`` injects the job's exit adapter (``adapter=PATH``, or the
+``exit_adapter/`` inside ``checkpoint``) as ``decoder.adapter``, whose E it reports; ``uses_draft`` passes the
+draft model (``draft=`` / ``assistant_model=``);
 ``max_batch_size`` skips larger batches with a recorded reason (HF assisted generation is batch-1 only), and
 ``sampling: false`` skips temperatures > 0 (greedy-only methods such as Jacobi decoding).
 """
@@ -48,6 +50,7 @@ class MethodConfig:
     engine: str = "fastdecode"
     decoder: str | None = None
     uses_exit_layer: bool = False
+    uses_adapter: bool = False
     uses_draft: bool = False
     max_batch_size: int | None = None
     sampling: bool = True  # false: greedy only (e.g. jacobi); skipped at temperature > 0 with the reason
@@ -75,6 +78,7 @@ class SpeedJob:
     checkpoint: str | None = None
     draft_model: str | None = None
     exit_layer: int | None = None
+    adapter: str | None = None
     n_prompts: int = 10
     prompt_split: str = "auto"
     max_prompt_tokens: int = 1024
@@ -240,8 +244,25 @@ def resolve_draft_tokens(options: dict, exit_layer: int | None, checkpoint: str 
     return f"adaptive, K <= {AUTO_DRAFT_CAP} ({reason})"
 
 
+def resolve_adapter_path(job: SpeedJob) -> str | None:
+    """The exit adapter for ``uses_adapter`` methods: ``adapter``, else ``checkpoint/exit_adapter`` if there."""
+    if job.adapter:
+        return job.adapter
+    if job.checkpoint:
+        from fastdecode.exit_adapter import CHECKPOINT_DIR, META_FILE
+
+        if (Path(job.checkpoint) / CHECKPOINT_DIR / META_FILE).is_file():
+            return str(Path(job.checkpoint) / CHECKPOINT_DIR)
+    return None
+
+
 def _method(
-    name: str, node: Any, exit_layer: int | None, draft: bool, checkpoint: str | None = None
+    name: str,
+    node: Any,
+    exit_layer: int | None,
+    draft: bool,
+    checkpoint: str | None = None,
+    adapter: str | None = None,
 ) -> Method:
     spec = to_dataclass(MethodConfig, node, f"decoder.{name}")
     if spec.engine not in ENGINES:
@@ -267,8 +288,20 @@ def _method(
         raise ConfigError(
             f"method '{name}' needs a draft model: pass draft_model=NAME (a configs/model option) or a path."
         )
+    used_exit = options.get(exit_key)
+    if spec.uses_adapter and options.get("adapter") is None:
+        if adapter is None:
+            raise ConfigError(
+                f"method '{name}' drafts through an exit adapter and none is set: pass adapter=PATH (a "
+                "directory written by `python train.py recipe=exit_adapter`, e.g. outputs/<run>/final)."
+            )
+        options["adapter"] = adapter
+    if options.get("adapter") is not None:
+        from fastdecode.exit_adapter import read_meta
+
+        used_exit = used_exit or read_meta(options["adapter"])["exit_layer"]  # a missing adapter fails here
     check_options(name, spec, options)
-    return Method(name, spec, options, options.get(exit_key), draft_source=draft_source)
+    return Method(name, spec, options, used_exit, draft_source=draft_source)
 
 
 def check_options(name: str, spec: MethodConfig, options: dict) -> None:
@@ -319,13 +352,15 @@ def plan(cfg: Any) -> tuple[SpeedJob, list[Method], str]:
     exit_layer, source = resolve_exit_layer(job)
     draft = draft_model_config(job) is not None
     target_model_config(job)
+    adapter = resolve_adapter_path(job)
     if job.mode == "sweep":
         selected = [n for n in job.decoder if n in (job.baseline, job.hf_baseline)]
-        methods = [_method(n, job.decoder[n], exit_layer, draft, job.checkpoint) for n in selected]
+        methods = [_method(n, job.decoder[n], exit_layer, draft, job.checkpoint, adapter) for n in selected]
         methods = _sweep_methods(job, methods, draft)
     else:
         methods = [
-            _method(name, node, exit_layer, draft, job.checkpoint) for name, node in job.decoder.items()
+            _method(name, node, exit_layer, draft, job.checkpoint, adapter)
+            for name, node in job.decoder.items()
         ]
     names = [m.name for m in methods]
     for key in ("baseline", "hf_baseline"):

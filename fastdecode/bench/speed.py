@@ -83,6 +83,10 @@ def build_runners(job: SpeedJob, methods: list[Method], model, tokenizer, draft)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
     runners = {}
     for method in methods:
+        if method.options.get("adapter") is not None:  # another model or tokenizer fails before decoding
+            from fastdecode.exit_adapter import load_adapter
+
+            load_adapter(method.options["adapter"], m, tokenizer)
         if method.spec.engine == "fastdecode":
             runners[method.name] = FastdecodeRunner(method, m, draft_m, job, eos)
         else:

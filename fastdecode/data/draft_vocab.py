@@ -17,9 +17,7 @@ The file is JSON (``{"vocab_size", "ids", ...}``, ids most frequent first), writ
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,9 +25,6 @@ import torch
 from fastdecode.config import ConfigError
 from fastdecode.data.chat import IGNORE_INDEX, build_datasets
 from fastdecode.data.config import DataConfig
-from fastdecode.io import atomic_write_json
-
-DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 def build_draft_vocab(
@@ -63,14 +58,6 @@ def build_draft_vocab(
     order = torch.sort(counts, descending=True, stable=True).indices
     ranked = order[counts[order] > 0][: size - len(always)]
     return torch.cat([torch.tensor(always, dtype=torch.long), ranked])
-
-
-def save_draft_vocab(path: str | os.PathLike, ids: torch.Tensor, vocab_size: int, **meta: Any) -> Path:
-    """Write ``ids [S]`` (built for a tokenizer of ``vocab_size`` ids) and any ``meta`` to ``path``."""
-    ids_list = [int(i) for i in ids.tolist()]
-    if len(set(ids_list)) != len(ids_list) or min(ids_list, default=0) < 0 or max(ids_list) >= vocab_size:
-        raise ValueError(f"draft vocabulary ids must be distinct and in [0, {vocab_size})")
-    return atomic_write_json(path, {"vocab_size": vocab_size, "size": len(ids_list), **meta, "ids": ids_list})
 
 
 def draft_vocab_from_data(data_cfg: DataConfig, tokenizer: Any, size: int) -> torch.Tensor:

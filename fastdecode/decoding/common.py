@@ -32,7 +32,8 @@ class DecodeConfig:
     ``eos_token_id=None`` never stops early (pass the tokenizer's EOS id(s) to stop at EOS). ``draft_vocab``:
     path of a draft vocabulary file (``fastdecode/data/draft_vocab.py``); the drafter's head then scores only
     those tokens (verification keeps the full head: still lossless). ``skip``, ``jacobi``: the options of the
-    ``skipdecode`` and ``jacobi`` decoders (``fastdecode/decoding/options.py``)."""
+    ``skipdecode`` and ``jacobi`` decoders (``fastdecode/decoding/options.py``). ``adapter``: an exit adapter directory
+    (``fastdecode/exit_adapter.py``); ``self_speculative`` then drafts through it (E from the adapter)."""
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -45,6 +46,7 @@ class DecodeConfig:
     eos_token_id: int | list[int] | None = None
     seed: int = 0
     draft_vocab: str | None = None
+    adapter: str | None = None
     # options only one decoder reads, nested under its name (fastdecode/decoding/options.py)
     skip: SkipOptions = field(default_factory=SkipOptions)
     jacobi: JacobiOptions = field(default_factory=JacobiOptions)
@@ -221,11 +223,18 @@ class Prefill:
 
 
 def prefill(
-    m: EarlyExitModel, prompts: list[list[int]], capacity: int, *, exit_layer: int | None = None
+    m: EarlyExitModel,
+    prompts: list[list[int]],
+    capacity: int,
+    *,
+    exit_layer: int | None = None,
+    adapter: torch.nn.Module | None = None,
 ) -> Prefill:
     """Left-pad ``prompts`` into one batch and run them through layers ``[0, exit_layer)`` (all by default).
 
-    Padding slots are invalid in ``cache.key_valid``; real tokens take positions ``0..len-1`` per row.
+    Padding slots are invalid in ``cache.key_valid``; real tokens take positions ``0..len-1`` per row. With an
+    exit ``adapter`` (``fastdecode/exit_adapter.py``) the cache gets its extra layer slot, and the prompt's
+    hidden states at its exit also pass the adapter, which fills that slot.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token (got an empty prompt or no prompts).")
@@ -238,9 +247,15 @@ def prefill(
         valid[row, width - len(prompt) :] = True
         positions[row, width - len(prompt) :] = torch.arange(len(prompt))
     ids, valid, positions = (t.to(m.device) for t in (ids, valid, positions))
-    cache = m.new_cache(batch, max(capacity, width))
+    cache = m.new_cache(batch, max(capacity, width), extra_layers=0 if adapter is None else 1)
     cache.reserve(valid, 0, positions)
-    hidden = m.run_layers(m.embed(ids, positions), 0, exit_layer or m.num_layers, positions, cache=cache)
+    hidden, depth = m.embed(ids, positions), exit_layer or m.num_layers
+    if adapter is not None:
+        hidden = m.run_layers(hidden, 0, adapter.exit_layer, positions, cache=cache)
+        adapter(m, hidden, positions, cache=cache)
+        hidden = m.run_layers(hidden, adapter.exit_layer, depth, positions, cache=cache)
+    else:
+        hidden = m.run_layers(hidden, 0, depth, positions, cache=cache)
     lengths = torch.tensor([len(p) for p in prompts], device=m.device)
     return Prefill(cache, lengths, m.exit_logits(hidden[:, -1]))
 

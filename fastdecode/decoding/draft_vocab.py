@@ -9,34 +9,14 @@ sides share only the file format: JSON ``{"vocab_size": V, "ids": [...], ...}``,
 from __future__ import annotations
 
 import functools
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from fastdecode.config import ConfigError
+from fastdecode.draft_vocab_file import load_draft_vocab
 from fastdecode.model import EarlyExitModel
-
-BUILD_HINT = "fastdecode.data.draft_vocab.draft_vocab_from_data and save_draft_vocab"
-
-
-def load_draft_vocab(path: str | os.PathLike) -> tuple[torch.Tensor, int]:
-    """``(ids [S] long, vocab_size it was built for)`` from a file written by ``save_draft_vocab``."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(
-            f"decoder.draft_vocab={str(path)!r}: no such file. Build one with {BUILD_HINT}, "
-            "or set decoder.draft_vocab=null."
-        )
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return torch.tensor(data["ids"], dtype=torch.long), int(data["vocab_size"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise ConfigError(
-            f"decoder.draft_vocab={str(path)!r} is not a draft vocabulary file ({err}); rebuild it with "
-            f"{BUILD_HINT}."
-        ) from err
 
 
 @functools.lru_cache(maxsize=8)

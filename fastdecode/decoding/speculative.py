@@ -21,6 +21,14 @@ sampling draws from the processed distribution over the subset, which - scattere
 zero elsewhere - is exactly the ``q`` the acceptance rule needs. Verification keeps the full head, so decoding
 stays lossless whatever the subset.
 
+Exit adapters (``fastdecode/exit_adapter.py``, Kangaroo): with ``adapter`` set, the drafter's head reads the
+adapter's output instead of the raw exit hidden state; the hidden states returned for verification stay the
+raw ones (lossless). The adapter's attention has its own cache layer (``adapter.slot``). Every token it sees
+once: the last token of a draft (d_k, or t when nothing is drafted) is never proposed from, so it is kept in a
+backlog and passes the adapter together with the next round's first token, if rollback kept its slot (the
+adapter's keys/values depend only on each token's own exit hidden state and position, so that late write is
+exactly what an immediate one would have been).
+
 Why no ``torch.compile`` path: the cache is preallocated (``KVCache``) but not static-shaped - ``update``
 returns the filled prefix ``[:length]`` and keeps its lengths as Python ints, so dynamo guards on them and on
 each layer's index. Compiling the HF layers (``dynamic=True``) of the tiny 4-layer Llama on this CPU took
@@ -32,7 +40,7 @@ a change to ``fastdecode/cache.py`` and the adapter, best measured on a GPU, whe
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -105,10 +113,37 @@ class Drafter:
     cfg: DecodeConfig
     generator: torch.Generator
     vocab: torch.Tensor | None = None
+    adapter: Any = None  # an ExitAdapter at exit ``depth`` (fastdecode/exit_adapter.py), or None
     flag: LaggedFlag = field(init=False)  # the dynamic policies' stop flag, read one token late
+    # Exit hidden states [B, n, H] and positions [B, n] of the slots the adapter has not seen yet (the slots
+    # [cache.lengths[adapter.slot], cache.lengths[0]) once rollback has cut them; see the module docstring).
+    backlog: tuple[torch.Tensor, torch.Tensor] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.flag = LaggedFlag(self.model.device)
+
+    def _adapt(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The adapter's output for the newest token (``hidden [B, 1, H]`` at ``pos [B, 1]``), after it has
+        seen the backlog; its cache layer then holds every slot up to this token's."""
+        if self.backlog is not None:
+            hidden = torch.cat([self.backlog[0], hidden], 1)
+            pos = torch.cat([self.backlog[1], pos], 1)
+            self.backlog = None
+        return self.adapter(self.model, hidden, pos, cache=self.cache)[:, -1:]
+
+    def _push_backlog(self, hidden: torch.Tensor, pos: torch.Tensor) -> None:
+        if self.backlog is None:
+            self.backlog = (hidden, pos)
+        else:
+            self.backlog = (torch.cat([self.backlog[0], hidden], 1), torch.cat([self.backlog[1], pos], 1))
+
+    def _trim_backlog(self) -> None:
+        """Rollback may have cut slots the backlog holds: keep the ones still in the cache."""
+        if self.backlog is None:
+            return
+        unseen = self.cache.lengths[0] - self.cache.lengths[self.adapter.slot]
+        hidden, pos = self.backlog
+        self.backlog = (hidden[:, :unseen], pos[:, :unseen]) if unseen > 0 else None
 
     def draft(self, last: torch.Tensor, positions: torch.Tensor, active: torch.Tensor, limit: int) -> Draft:
         """Draft up to ``limit`` tokens after ``last [B]`` (at ``positions [B]``); ``active [B]`` marks the
@@ -118,6 +153,8 @@ class Drafter:
         hiddens, tokens, probs = [], [], []
         policy.begin()
         flag.reset()
+        if self.adapter is not None:
+            self._trim_backlog()
         token = last
         for i in range(limit + 1):
             pos = (positions + i).clamp(max=max_position)[:, None]  # [B, 1]
@@ -126,9 +163,17 @@ class Drafter:
             hiddens.append(hidden)
             # The flag about `token` (pushed last step) is read only now, after its pass was launched: no stall.
             if i == limit or not flag.read():
+                if self.adapter is not None:  # never proposed from: the adapter sees it next round
+                    self._push_backlog(hidden, pos)
                 break
+            head_input = hidden if self.adapter is None else self._adapt(hidden, pos)
             token, q, confidence = propose(
-                d, hidden[:, -1], cfg, generator=self.generator, vocab=self.vocab, want_probs=policy.dynamic
+                d,
+                head_input[:, -1],
+                cfg,
+                generator=self.generator,
+                vocab=self.vocab,
+                want_probs=policy.dynamic,
             )
             tokens.append(token)
             if not cfg.greedy:

@@ -1,0 +1,359 @@
+"""The frozen model's work, paid once: layer-E features and the final layer's targets, cached to disk.
+
+One record per training sequence (``fastdecode.tensor_shards``: sharded safetensors, committed atomically,
+resumable after kill -9 with nothing lost or duplicated)::
+
+    index      int64 [1]        position of the sequence in the training split
+    input_ids  int32 [T]
+    h<E>       dtype [T, H]     residual stream after block E (the input of layer E), every position
+    scored     int32 [N]        positions whose next-token prediction is trained (labelled next token)
+    targets    int32 [N]        the data's next token at each scored position (for the optional CE)
+    teacher    int32 [N]        the final layer's argmax over the full vocabulary
+    topk_ids   int32 [N, k]     the final layer's top-k tokens ...
+    topk_logp  float32 [N, k]   ... and their log-probabilities (full-vocabulary softmax)
+    final      dtype [N, H']    the final layer's head input (after the final norm): the full teacher
+                                distribution over any head rows is recomputed from it
+
+The manifest's header names the base model (geometry, weights fingerprint, tokenizer fingerprint), the cached
+exits and every setting the records depend on; a cache is refused for another model or tokenizer
+(``AdapterMismatchError``) or other settings (``ShardHeaderError``). A complete cache serves any subset of
+its exits, so one cache feeds many training runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adapter_train.config import FeatureConfig
+from fastdecode.data.chat import IGNORE_INDEX
+from fastdecode.exit_adapter import base_identity, check_base
+from fastdecode.model import EarlyExitModel
+from fastdecode.tensor_shards import MANIFEST, ShardHeaderError, ShardReader, ShardWriter, check_header
+
+log = logging.getLogger(__name__)
+SCHEMA = 1
+DATA_KEYS = (
+    "name",
+    "source",
+    "path",
+    "max_length",
+    "max_samples",
+    "held_out",
+    "split_seed",
+    "assistant_only_loss",
+    "packing",
+    "system_prompt",
+)
+
+
+def feature_header(
+    m: EarlyExitModel, tokenizer: Any, fcfg: FeatureConfig, exits: list[int], data: Any
+) -> dict:
+    """What the cached records depend on (checked on resume and before training)."""
+    data_id = {k: getattr(data, k, None) for k in DATA_KEYS} if dataclasses.is_dataclass(data) else data
+    return {
+        "schema": SCHEMA,
+        "base": base_identity(m, tokenizer),
+        "exits": sorted(exits),
+        "top_k": fcfg.top_k,
+        "dtype": fcfg.dtype,
+        "data": data_id,
+    }
+
+
+def _check_existing(directory: Path, header: dict, m: EarlyExitModel, tokenizer: Any) -> dict | None:
+    """The existing manifest of ``directory`` (None if there is none), refused for another model/settings.
+    (``max_records`` is not a setting: records are a prefix of one fixed order, so a larger value extends
+    a cache and a smaller one trains on its first records.)"""
+    path = directory / MANIFEST
+    if not path.is_file():
+        return None
+    found = ShardReader(directory).manifest
+    check_base(found["header"].get("base", {}), m, tokenizer, where=f"the feature cache {directory}")
+    keys = [k for k in header if k not in ("base", "exits")]
+    check_header(found["header"], header, path, keys)
+    cached, wanted = found["header"]["exits"], header["exits"]
+    if found.get("complete"):
+        if not set(wanted) <= set(cached):
+            raise ShardHeaderError(
+                f"{path} caches exits {cached}, not {sorted(set(wanted) - set(cached))}: cache them in another "
+                "directory (recipe.features.dir), or train at cached exits."
+            )
+    elif cached != wanted:
+        raise ShardHeaderError(
+            f"{path} is an unfinished cache of exits {cached}; resume it with recipe.features.exits={cached}."
+        )
+    return found
+
+
+def batch_order(examples: list[dict], batch_size: int) -> list[int]:
+    """Example indices in caching order: dataset order, sorted by length within windows of 8 batches (less
+    padding); deterministic, so a resumed run continues the same order."""
+    window = 8 * batch_size
+    order = []
+    for start in range(0, len(examples), window):
+        chunk = range(start, min(start + window, len(examples)))
+        order += sorted(chunk, key=lambda i: (-len(examples[i]["input_ids"]), i))
+    return order
+
+
+def scored_positions(labels: list[int]) -> list[int]:
+    """Positions t whose next token (``labels[t + 1]``, HF's aligned labels) is labelled."""
+    return [t for t in range(len(labels) - 1) if labels[t + 1] != IGNORE_INDEX]
+
+
+@torch.no_grad()
+def batch_features(
+    m: EarlyExitModel, examples: list[dict], exits: list[int], top_k: int, dtype: torch.dtype
+) -> list[dict[str, torch.Tensor]]:
+    """Records (module docstring) of ``examples`` from one right-padded, causal forward of the frozen model."""
+    lengths = [len(ex["input_ids"]) for ex in examples]
+    width, device = max(lengths), m.device
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    for row, ex in enumerate(examples):
+        ids[row, : lengths[row]] = torch.tensor(ex["input_ids"])
+    ids = ids.to(device)
+    positions = torch.arange(width, device=device).expand(len(examples), -1)
+    # Right padding + causal attention: a real position never sees a pad, so no padding mask is needed.
+    captured, final = _segments(m, m.embed(ids, positions), exits, positions)
+    records = []
+    for row, ex in enumerate(examples):
+        n = lengths[row]
+        scored = torch.tensor(scored_positions(ex["labels"]), dtype=torch.long, device=device)
+        head_in = final[row, scored]  # [N, H']
+        argmax, top_ids, top_logp = _targets(m.lm_head(head_in), top_k)
+        labels = torch.tensor(ex["labels"], dtype=torch.long, device=device)
+        record = {
+            "input_ids": ids[row, :n].int(),
+            "scored": scored.int(),
+            "targets": labels[scored + 1].int(),
+            "teacher": argmax.int(),
+            "topk_ids": top_ids.int(),
+            "topk_logp": top_logp,
+            "final": head_in.to(dtype),
+        }
+        for exit_layer, h in captured.items():
+            record[f"h{exit_layer}"] = h[row, :n].to(dtype)
+        records.append(record)
+    return records
+
+
+def _targets(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(argmax, top-k ids, top-k log-probabilities) of ``[..., V]`` logits (full-vocabulary softmax)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    top = logp.topk(min(top_k, logp.shape[-1]), -1)
+    return logp.argmax(-1), top.indices, top.values
+
+
+def _segments(m: EarlyExitModel, hidden, exits, positions, cache=None) -> tuple[dict, torch.Tensor]:
+    """Run every layer, keeping the residual stream at each exit: ``({E: [B, T, H]}, final head input)``."""
+    done, captured = 0, {}
+    for exit_layer in sorted(exits):
+        hidden = m.run_layers(hidden, done, exit_layer, positions, cache=cache)
+        captured[exit_layer], done = hidden, exit_layer
+    return captured, m.exit_hidden(m.run_layers(hidden, done, m.num_layers, positions, cache=cache))
+
+
+@torch.no_grad()
+def generation_features(
+    m: EarlyExitModel,
+    prompts: list[list[int]],
+    exits: list[int],
+    top_k: int,
+    dtype: torch.dtype,
+    max_new_tokens: int,
+    eos: set[int],
+) -> list[dict[str, torch.Tensor]]:
+    """The model's greedy answers to ``prompts``, as records (module docstring) captured while decoding
+    (batched, KV-cached, left-padded): the sequence is the prompt and every answer token fed back, the scored
+    positions predict the answer tokens (the first from the prompt's last position), the targets are the
+    answer itself (greedy: the teacher's argmax)."""
+    batch, width, device = len(prompts), max(len(p) for p in prompts), m.device
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    valid = torch.zeros(batch, width, dtype=torch.bool)
+    positions = torch.zeros(batch, width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        valid[row, width - len(prompt) :] = True
+        positions[row, width - len(prompt) :] = torch.arange(len(prompt))
+    ids, valid, positions = ids.to(device), valid.to(device), positions.to(device)
+    cache = m.new_cache(batch, width + max_new_tokens)
+    cache.reserve(valid, 0, positions)
+    captured, final = _segments(m, m.embed(ids, positions), exits, positions, cache)
+    steps = [({e: h[:, -1:] for e, h in captured.items()}, final[:, -1])]  # step 0 = the prefill's last
+    prompt_feats = {
+        e: [h[row, width - len(p) :] for row, p in enumerate(prompts)] for e, h in captured.items()
+    }
+    answers: list[list[int]] = [[] for _ in prompts]
+    done = [False] * batch
+    next_pos = torch.tensor([len(p) for p in prompts], device=device)
+    logits = m.lm_head(final[:, -1])
+    per_step = []
+    for _ in range(max_new_tokens):
+        argmax, top_ids, top_logp = _targets(logits, top_k)
+        per_step.append((argmax, top_ids, top_logp))
+        for row, token in enumerate(argmax.tolist()):
+            if not done[row]:
+                answers[row].append(token)
+                done[row] = token in eos or len(answers[row]) >= max_new_tokens
+        if all(done):
+            break
+        active = torch.tensor([not d for d in done], device=device)
+        pos = next_pos[:, None]
+        cache.reserve(active[:, None], cache.lengths[0], pos)
+        captured, final = _segments(m, m.embed(argmax[:, None], pos), exits, pos, cache)
+        steps.append((captured, final[:, -1]))
+        logits = m.lm_head(final[:, -1])
+        next_pos = next_pos + active.long()
+    records = []
+    for row, prompt in enumerate(prompts):
+        n, p = len(answers[row]), len(prompt)
+        record = {
+            "input_ids": torch.tensor(prompt + answers[row][:-1], dtype=torch.int32),
+            "scored": torch.arange(p - 1, p + n - 1, dtype=torch.int32),
+            "targets": torch.tensor(answers[row], dtype=torch.int32),
+            "teacher": torch.stack([per_step[j][0][row] for j in range(n)]).int(),
+            "topk_ids": torch.stack([per_step[j][1][row] for j in range(n)]).int(),
+            "topk_logp": torch.stack([per_step[j][2][row] for j in range(n)]),
+            "final": torch.stack([steps[j][1][row] for j in range(n)]).to(dtype),
+        }
+        for e in exits:  # prompt positions, then the answer tokens fed back (all but the last)
+            fed = [steps[j][0][e][row, 0] for j in range(1, n)]
+            record[f"h{e}"] = torch.cat([prompt_feats[e][row], *([torch.stack(fed)] if fed else [])]).to(
+                dtype
+            )
+        records.append(record)
+    return records
+
+
+def build_features(
+    m: EarlyExitModel,
+    tokenizer: Any,
+    examples: list[dict],
+    directory: str | Path,
+    fcfg: FeatureConfig,
+    exits: list[int],
+    data: Any,
+    on_commit: Callable[[int], None] | None = None,
+    eos: set[int] | None = None,
+) -> ShardReader:
+    """Cache the records of ``examples`` (the training split; with ``fcfg.source=generate`` only their
+    ``input_ids`` are used, as prompts, and ``eos`` ends answers) in ``directory``, resuming an unfinished
+    cache; a complete one is checked and reused. Returns the reader; the manifest's ``stats`` hold counts and
+    the frozen model's positions per second."""
+    directory = Path(directory)
+    cached_exits = sorted(exits)
+    header = feature_header(m, tokenizer, fcfg, cached_exits, data)
+    found = _check_existing(directory, header, m, tokenizer)
+    order = batch_order(examples, fcfg.batch_size)
+    if fcfg.max_records is not None:
+        order = order[: fcfg.max_records]
+    if found is not None and found.get("complete") and found["records"] >= len(order):
+        log.info("features: reusing the complete cache %s (%d records)", directory, found["records"])
+        return ShardReader(directory, limit=len(order))
+    if found is not None:
+        header["exits"] = cached_exits = found["header"]["exits"]
+    writer = ShardWriter(directory, header, fcfg.shard_records)
+    if writer.complete:
+        writer.reopen()
+    dtype = getattr(torch, fcfg.dtype)
+    start_records = writer.records
+    started = time.perf_counter()
+    was_training = m.hf.training
+    m.hf.eval()
+    try:
+        for b in range(start_records, len(order), fcfg.batch_size):
+            chosen = order[b : b + fcfg.batch_size]
+            tick = time.perf_counter()
+            batch = [examples[i] for i in chosen]
+            if fcfg.source == "generate":
+                prompts = [ex["input_ids"] for ex in batch]
+                records = generation_features(
+                    m, prompts, cached_exits, fcfg.top_k, dtype, fcfg.max_new_tokens, eos or set()
+                )
+            else:
+                records = batch_features(m, batch, cached_exits, fcfg.top_k, dtype)
+            seconds = time.perf_counter() - tick
+            for i, (index, record) in enumerate(zip(chosen, records, strict=True)):
+                stats = {"positions": len(record["input_ids"]), "scored": len(record["scored"])}
+                if i == 0:
+                    stats["seconds"] = seconds
+                committed = writer.add(record | {"index": torch.tensor([index])}, stats)
+                if committed and on_commit is not None:
+                    on_commit(writer.records)
+            if (b // fcfg.batch_size) % 8 == 0:
+                log.info("features: %d / %d sequences", b + len(chosen), len(order))
+    finally:
+        m.hf.train(was_training)
+    writer.finish()
+    stats = writer.manifest["stats"]
+    seconds = max(stats.get("seconds", 0.0), 1e-9)
+    manifest = writer.finish(
+        summary={
+            "sequences": len(order),
+            "positions": stats.get("positions", 0),
+            "scored_positions": stats.get("scored", 0),
+            "seconds": stats.get("seconds", 0.0),
+            "positions_per_s": stats.get("positions", 0) / seconds,
+            "scored_positions_per_s": stats.get("scored", 0) / seconds,
+            "this_run_seconds": time.perf_counter() - started,
+        }
+    )
+    log.info("features: %s", manifest["summary"])
+    return ShardReader(directory, limit=len(order))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Training examples from the cache
+class FeatureDataset(torch.utils.data.Dataset):
+    """The cached records as training examples: only the fields the loss needs (lazy reads)."""
+
+    def __init__(self, reader: ShardReader, exits: list[int], target: str) -> None:
+        self.reader, self.exits = reader, list(exits)
+        missing = sorted(set(exits) - set(reader.header["exits"]))
+        if missing:
+            raise ShardHeaderError(f"the feature cache {reader.dir} has no exits {missing}")
+        self.fields = ["scored", "targets", "teacher"] + [f"h{e}" for e in exits]
+        self.fields += ["final"] if target == "full" else ["topk_ids", "topk_logp"]
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.reader.read(i, self.fields)
+
+
+def collate_features(records: list[dict[str, torch.Tensor]], exits: list[int]) -> dict[str, Any]:
+    """Right-padded batch: ``hidden[str(E)] [B, T, H]`` (float32), ``position_ids [B, T]``, the scored
+    positions flattened (``rows``, ``cols`` [M]) and their targets ``[M, ...]``."""
+    lengths = [r[f"h{exits[0]}"].shape[0] for r in records]
+    batch, width = len(records), max(lengths)
+    hidden = {}
+    for e in exits:
+        size = records[0][f"h{e}"].shape[-1]
+        padded = torch.zeros(batch, width, size)
+        for row, r in enumerate(records):
+            padded[row, : lengths[row]] = r[f"h{e}"].float()
+        hidden[str(e)] = padded
+    rows = torch.cat([torch.full((len(r["scored"]),), row) for row, r in enumerate(records)])
+    out = {
+        "hidden": hidden,
+        "position_ids": torch.arange(width).expand(batch, -1).contiguous(),
+        "rows": rows.long(),
+        "cols": torch.cat([r["scored"] for r in records]).long(),
+        "targets": torch.cat([r["targets"] for r in records]).long(),
+        "teacher": torch.cat([r["teacher"] for r in records]).long(),
+    }
+    if "final" in records[0]:
+        out["final"] = torch.cat([r["final"] for r in records]).float()
+    if "topk_ids" in records[0]:
+        out["topk_ids"] = torch.cat([r["topk_ids"] for r in records]).long()
+        out["topk_logp"] = torch.cat([r["topk_logp"] for r in records]).float()
+    return out

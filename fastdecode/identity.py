@@ -1,0 +1,57 @@
+"""Who a model and a tokenizer are: the identities that caches, trajectories and adapters are checked against.
+
+- ``tokenizer_fingerprint``: sha256 over the vocabulary, so two tokenizers with the same hash map every token
+  to the same id, whatever path they were loaded from.
+- ``model_identity``: the id a manifest stores for a ``ModelConfig`` (hub id / path, or the random-init seed).
+- ``weights_fingerprint``: sha256 over every parameter's name, shape and an evenly spaced sample of its values
+  rounded to bf16 (so an fp32 and a bf16 load of the same weights agree; any fine-tune changes it). Cheap:
+  at most ``SAMPLE`` values per tensor are read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+SAMPLE = 4096
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> dict:
+    """``{"name", "vocab_size", "vocab_hash"}``: sha256 over the sorted (token, id) pairs of the vocabulary.
+
+    Two tokenizers with the same hash map every token to the same id, whatever path they were loaded from.
+    """
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    return {"name": name, "vocab_size": len(vocab), "vocab_hash": digest}
+
+
+def model_identity(model_cfg: Any) -> str:
+    """The model id stored in a manifest for a ``ModelConfig``: hub id / path, or ``random:<name>:<seed>``."""
+    if model_cfg.source == "random":
+        return f"random:{model_cfg.name}:{model_cfg.seed}"
+    return model_cfg.name_or_path or model_cfg.name
+
+
+@torch.no_grad()
+def weights_fingerprint(model: torch.nn.Module, full: bool = False) -> str:
+    """sha256 of ``model``'s parameters (names, shapes, sampled values rounded to bf16); ``full=True`` hashes
+    every value exactly (bitwise checks, e.g. "training left the base model untouched")."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        flat = param.detach().reshape(-1)
+        digest.update(f"{name}:{tuple(param.shape)}".encode())
+        if full:
+            digest.update(flat.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            continue
+        if flat.numel() > SAMPLE:
+            steps = torch.arange(SAMPLE, dtype=torch.long, device=flat.device)
+            index = steps * (flat.numel() - 1) // (SAMPLE - 1)  # integers: exact, last element included
+            flat = flat[index]
+        values = flat.float().to(torch.bfloat16).cpu().contiguous().view(torch.int16)
+        digest.update(values.numpy().tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,108 @@
+"""``recipe=exit_adapter`` end to end on tiny-llama: features cached once, adapters saved beside the untouched
+base model, the chosen exit, lossless decoding through the saved run, bad input before any work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import fastdecode_recipes
+from fastdecode.config import CONFIG_DIR
+from fastdecode.decoding import DECODERS, DecodeConfig
+from fastdecode.exit_adapter import DraftVocabMismatchError, ExitLayerError, read_meta
+from fastdecode.identity import weights_fingerprint
+from fastdecode.model import EarlyExitModel
+from tests.conftest import _tiny
+from tests.test_layerskip_recipe import write_chat_jsonl
+
+
+def adapter_cfg(tmp_path: Path, *extra: str):
+    data = write_chat_jsonl(tmp_path / "chat.jsonl")
+    overrides = [
+        "recipe=exit_adapter",
+        "model=tiny-llama",
+        "data=jsonl",
+        f"data.path={data}",
+        "data.held_out=4",
+        "trainer.max_steps=4",
+        "trainer.save_steps=2",
+        "trainer.logging_steps=1",
+        "trainer.warmup_steps=0",
+        "trainer.learning_rate=1e-3",
+        "recipe.exits=[1,2]",
+        "recipe.draft_vocab_size=16",
+        "recipe.report.prompts=2",
+        "recipe.report.max_new_tokens=6",
+        "recipe.report.speed_prompts=1",
+        "recipe.report.speed_new_tokens=6",
+        "recipe.features.batch_size=4",
+        "recipe.features.shard_records=8",
+        f"output_dir={tmp_path / 'run'}",
+        *extra,
+    ]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def test_exit_adapter_recipe_end_to_end(tmp_path):
+    summary = fastdecode_recipes.run(adapter_cfg(tmp_path))
+    final = Path(summary["final"])
+    index = json.loads((final / "adapters.json").read_text())
+    assert set(index["adapters"]) == {"1", "2"} and set(index["agreement"]["adapter"]) == {"1", "2"}
+    for exit_layer in (1, 2):
+        meta = read_meta(final / f"E{exit_layer}")
+        assert meta["exit_layer"] == exit_layer and meta["draft_vocab"]["size"] <= 16
+        assert meta["base"]["tokenizer"]["vocab_hash"] and meta["training"]["epochs"] > 0
+    # The base model: bitwise what a fresh load gives, and the same perplexity before and after.
+    assert summary["base_weights_unchanged"]
+    assert summary["base_weights_sha256"] == weights_fingerprint(_tiny("tiny-llama")[0], full=True)
+    assert summary["perplexity"] == summary["perplexity_before"]
+    assert summary["features"]["scored_positions"] > 0 and summary["features"]["positions_per_s"] > 0
+    assert summary["training"]["scored_positions_per_s"] > 0
+    assert {"kl/E1", "agree/E2"} <= set(summary["training"]["history"][0])
+    assert summary["speed"]["self_speculative"]["tokens"] == summary["speed"]["autoregressive"]["tokens"]
+    # Decoding through the run directory (the chosen exit, or one named) is lossless.
+    m = EarlyExitModel(_tiny("tiny-llama")[0])
+    prompts = [[3, 50, 60, 70], [3, 80]]
+    ref = DECODERS["autoregressive"](m, prompts, DecodeConfig(max_new_tokens=10)).tokens
+    for path in (final / "E1", final / "E2"):
+        out = DECODERS["self_speculative"](m, prompts, DecodeConfig(max_new_tokens=10, adapter=str(path)))
+        assert out.tokens == ref
+    # A second run reuses the feature cache (same model, data and settings): nothing recomputed.
+    manifest = json.loads((tmp_path / "run" / "features" / "manifest.json").read_text())
+    again = fastdecode_recipes.run(adapter_cfg(tmp_path, "recipe.exits=[2]", "recipe.kind=attention"))
+    assert json.loads((tmp_path / "run" / "features" / "manifest.json").read_text()) == manifest
+    assert again["features"]["scored_positions"] == summary["features"]["scored_positions"]
+
+
+def test_the_model_generates_its_own_training_data(tmp_path):
+    summary = fastdecode_recipes.run(
+        adapter_cfg(
+            tmp_path,
+            "recipe.features.source=generate",
+            "recipe.features.max_new_tokens=5",
+            "recipe.features.max_records=8",
+            "recipe.loss.target=full",
+            "recipe.loss.ce_weight=0.5",
+            "recipe.report.enabled=false",
+        )
+    )
+    assert summary["features"]["sequences"] == 8 and summary["features"]["scored_positions"] <= 40
+    assert summary["chosen"] is None
+
+
+def test_bad_exits_and_draft_vocabularies_fail_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        "fastdecode_recipes.exit_adapter.build_datasets", lambda *a, **k: pytest.fail("data was read")
+    )
+    with pytest.raises(ExitLayerError, match=r"recipe.exits=4 .*\[1, 3\]"):
+        fastdecode_recipes.run(adapter_cfg(tmp_path, "recipe.exits=[2,4]"))
+    with pytest.raises(ExitLayerError, match=r"recipe.exits=0"):
+        fastdecode_recipes.run(adapter_cfg(tmp_path, "recipe.exits=[0]"))
+    bad = tmp_path / "vocab.json"
+    bad.write_text(json.dumps({"vocab_size": 32000, "size": 2, "ids": [1, 2]}))
+    with pytest.raises(DraftVocabMismatchError, match="32000 ids but this tokenizer has 261"):
+        fastdecode_recipes.run(adapter_cfg(tmp_path, f"recipe.draft_vocab={bad}"))
