@@ -40,6 +40,9 @@ def run(cfg: Any) -> dict:
     job = to_dataclass(ExitsJob, cfg, "")
     targets = {"model": job.model}
     if job.checkpoint:
+        from fastdecode.checkpoint import check_checkpoint
+
+        check_checkpoint(job.checkpoint, what="checkpoint=")  # before the base model loads
         after = dataclasses.replace(job.model, source="hub", name_or_path=job.checkpoint, tokenizer=None)
         targets = ({"base": job.model} if job.compare_base else {}) | {"checkpoint": after}
     reports, held_out = {}, None
@@ -62,11 +65,18 @@ def run(cfg: Any) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="exits", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     reports = run(cfg)
     for label, report in reports.items():
         agreement = report["generations"]["agreement"]
         print(label, {k: round(v, 3) for k, v in agreement.items()}, report["recommended"])
+
+
+def main() -> None:
+    from fastdecode_cli.launch import check_command_line
+
+    check_command_line("exits")  # misspelt keys get our did-you-mean; --help lists this config's groups
+    _main()
 
 
 if __name__ == "__main__":

@@ -99,8 +99,15 @@ def run(cfg: Any) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="regenerate", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     print(run(cfg))
+
+
+def main() -> None:
+    from fastdecode_cli.launch import check_command_line
+
+    check_command_line("regenerate")  # misspelt keys get our did-you-mean; --help lists this config's groups
+    _main()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from fastdecode.config import to_dataclass
 from fastdecode.data.chat import build_datasets, user_prompt_ids
 from fastdecode.decoding import DecodeConfig, get_decoder
 from fastdecode.distributed import is_main_process
-from fastdecode.io import atomic_write_json, save_resolved_config
+from fastdecode.io import atomic_directory, atomic_write_json, save_resolved_config
 from fastdecode.loading import load_model, load_tokenizer, resolve_device
 from fastdecode.model import EarlyExitModel
 from fastdecode_recipes.common import (
@@ -39,6 +39,7 @@ from fastdecode_recipes.common import (
     resolve_resume,
     training_arguments,
 )
+from fastdecode_recipes.resume import train as train_or_finish
 
 log = logging.getLogger(__name__)
 
@@ -141,17 +142,19 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
         data_collator=collator,
         draw_base=seed,
     )
-    result = trainer.train(resume_from_checkpoint=resolve_resume(job))
+    result = train_or_finish(trainer, resolve_resume(job))
     probe = collator(train[:2])
     live_loss = probe_loss(trainer, probe)  # every rank: ZeRO-3 gathers the partitions for this forward
-    final = export_checkpoint(trainer, model, tokenizer, job.peft, out / "final")
     summary = {
         "checkpoint": str(out / "final"),
         "metrics": dict(result.metrics),
         "trajectories": {"path": str(rcfg.trajectories), "records": len(records), "model": manifest["model"]},
     }
-    if final is not None:  # rank 0
-        summary["export_check"] = _check_export(final, probe, live_loss, rcfg, seed, model.dtype)
+    with atomic_directory(out / "final", main_process=is_main_process(), fault="export") as stage:
+        final = export_checkpoint(trainer, model, tokenizer, job.peft, stage)
+        if final is not None:  # rank 0: verified before final/ appears
+            summary["export_check"] = _check_export(final, probe, live_loss, rcfg, seed, model.dtype)
+    if final is not None:
         if rcfg.report.enabled:
             final.to(resolve_device(job.model.device))
             after = measure(final, tokenizer, held_out, rcfg, block)

@@ -21,8 +21,8 @@ from fastdecode.decoding import DecodeConfig, get_decoder
 from fastdecode.distributed import is_main_process
 from fastdecode.draft_vocab import DRAFT_VOCAB_FILE, draft_vocab_from_examples, save_draft_vocab
 from fastdecode.exit_report import choose_exit, exit_report, head_cost_in_blocks, plot_reports
-from fastdecode.io import atomic_write_json, save_resolved_config
-from fastdecode.loading import load_model
+from fastdecode.io import atomic_directory, atomic_write_json, save_resolved_config
+from fastdecode.loading import load_model, model_config
 from fastdecode.model import EarlyExitModel
 from fastdecode_recipes.common import (
     TrainJob,
@@ -35,6 +35,7 @@ from fastdecode_recipes.common import (
     training_arguments,
     world_size,
 )
+from fastdecode_recipes.resume import train as train_or_finish
 from layerskip_train.config import LayerSkipConfig
 from layerskip_train.early_exit_loss import scale_weights
 from layerskip_train.layer_dropout import dropout_rates, parse_layers
@@ -90,9 +91,9 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
 
     rcfg = to_dataclass(LayerSkipConfig, job.recipe, "recipe")
     check_deepspeed_batch(job)
+    validate(rcfg, model_config(job.model).num_hidden_layers)  # from config.json: before the weights load
     set_seed(job.seed)
     model, tokenizer = load_model(job.model)
-    validate(rcfg, model.config.num_hidden_layers)
     train, held_out = build_datasets(job.data, tokenizer)
     report_set = _report_set(rcfg, tokenizer, held_out)
     out = Path(job.output_dir)
@@ -110,16 +111,19 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
         eval_dataset=held_out or None,
         data_collator=functools.partial(collate, pad_id=tokenizer.pad_token_id, mask_dtype=model.dtype),
     )
-    result = trainer.train(resume_from_checkpoint=resolve_resume(job))
+    result = train_or_finish(trainer, resolve_resume(job))
     metrics = dict(result.metrics) | (trainer.evaluate() if held_out else {})
     probe = collate(held_out[:2] or train[:2], tokenizer.pad_token_id, model.dtype)
     live_loss = probe_loss(trainer, probe)  # every rank: ZeRO-3 gathers the partitions for this forward
-    final = export_checkpoint(trainer, model, tokenizer, job.peft, out / "final")
     summary = {"checkpoint": str(out / "final"), "metrics": metrics}
-    if final is not None:  # rank 0
-        summary["export_check"] = _check_export(final, probe, live_loss, model.dtype)
-        summary |= _finish(final, tokenizer, report_set, rcfg, before, out)
-        summary["draft_vocab"] = _write_draft_vocab(train, tokenizer, rcfg, out / "final")
+    # final/ appears whole, with its recommended exit and draft vocabulary, or not at all
+    with atomic_directory(out / "final", main_process=is_main_process(), fault="export") as stage:
+        final = export_checkpoint(trainer, model, tokenizer, job.peft, stage)
+        if final is not None:  # rank 0
+            summary["export_check"] = _check_export(final, probe, live_loss, model.dtype)
+            summary |= _finish(final, tokenizer, report_set, rcfg, before, out, stage)
+            summary["draft_vocab"] = _write_draft_vocab(train, tokenizer, rcfg, stage, out / "final")
+    if final is not None:
         atomic_write_json(out / "summary.json", summary)
     return summary
 
@@ -162,14 +166,17 @@ def _speed_line(
     return result
 
 
-def _write_draft_vocab(train: list[dict], tokenizer, rcfg: LayerSkipConfig, final_dir: Path) -> str | None:
-    """``draft_vocab.json`` next to the checkpoint (``decoder.draft_vocab=<it>`` makes drafting cheaper)."""
+def _write_draft_vocab(
+    train: list[dict], tokenizer, rcfg: LayerSkipConfig, stage: Path, final_dir: Path
+) -> str | None:
+    """``draft_vocab.json`` next to the checkpoint (``decoder.draft_vocab=<it>`` makes drafting cheaper),
+    written into the export's staging directory ``stage``; returns its path once published in ``final_dir``."""
     size, vocab = rcfg.draft_vocab_size, len(tokenizer)
     if size is None or size >= vocab:
         return None
     ids = draft_vocab_from_examples(train, tokenizer, size)
-    path = save_draft_vocab(final_dir / DRAFT_VOCAB_FILE, ids, vocab_size=vocab, source="training data")
-    return str(path)
+    save_draft_vocab(stage / DRAFT_VOCAB_FILE, ids, vocab_size=vocab, source="training data")
+    return str(final_dir / DRAFT_VOCAB_FILE)
 
 
 def _check_export(final, probe: dict, live_loss: float, live_dtype) -> dict:
@@ -187,8 +194,11 @@ def _check_export(final, probe: dict, live_loss: float, live_dtype) -> dict:
     return compare_export(saved, live_loss, live_dtype)
 
 
-def _finish(final, tokenizer, held_out, rcfg: LayerSkipConfig, before: dict | None, out: Path) -> dict:
-    """Exit report after training, the recommended exit in generation_config, report JSON + plot."""
+def _finish(
+    final, tokenizer, held_out, rcfg: LayerSkipConfig, before: dict | None, out: Path, stage: Path
+) -> dict:
+    """Exit report after training, the recommended exit in generation_config (in the export's staging
+    directory ``stage``), report JSON + plot."""
     num_layers = final.config.num_hidden_layers
     after = _report(final, tokenizer, held_out, rcfg) if rcfg.report.enabled else None
     if rcfg.exit_layer is not None:
@@ -201,7 +211,7 @@ def _finish(final, tokenizer, held_out, rcfg: LayerSkipConfig, before: dict | No
         choice = {"exit": None, "source": "no report"}
     if choice["exit"] is not None:  # plain transformers users then self-speculate with generate()
         final.generation_config.assistant_early_exit = int(choice["exit"])
-        final.generation_config.save_pretrained(str(out / "final"))
+        final.generation_config.save_pretrained(str(stage))
         log.info("recommended exit E=%s (%s)", choice["exit"], choice["source"])
     else:
         log.warning("no exit is expected to speed decoding up yet (%s); assistant_early_exit not set", choice)

@@ -13,9 +13,10 @@ from typing import Any
 
 from fastdecode.data.chat import build_datasets, collate
 from fastdecode.distributed import is_main_process
-from fastdecode.io import save_resolved_config
+from fastdecode.io import atomic_directory, save_resolved_config
 from fastdecode.loading import load_model
-from fastdecode_recipes.common import TrainJob, resolve_resume, training_arguments
+from fastdecode_recipes.common import TrainJob, export_checkpoint, resolve_resume, training_arguments
+from fastdecode_recipes.resume import train as train_or_finish
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,10 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
         data_collator=functools.partial(collate, pad_id=tokenizer.pad_token_id, mask_dtype=model.dtype),
         processing_class=tokenizer,
     )
-    result = trainer.train(resume_from_checkpoint=resolve_resume(job))
+    result = train_or_finish(trainer, resolve_resume(job))
     final = Path(job.output_dir) / "final"
-    trainer.save_model(str(final))
-    if is_main_process():
-        tokenizer.save_pretrained(str(final))
+    with atomic_directory(final, main_process=is_main_process(), fault="export") as stage:  # all or nothing
+        export_checkpoint(trainer, model, tokenizer, job.peft, stage)
     metrics = dict(result.metrics)
     if held_out:
         metrics |= trainer.evaluate()

@@ -16,8 +16,8 @@ from typing import Any
 from fastdecode.config import ConfigError, to_dataclass
 from fastdecode.data.chat import build_datasets, collate
 from fastdecode.distributed import is_main_process
-from fastdecode.io import atomic_write_json, save_resolved_config
-from fastdecode.loading import load_model
+from fastdecode.io import atomic_directory, atomic_write_json, save_resolved_config
+from fastdecode.loading import load_model, model_config
 from fastdecode.model import EarlyExitModel
 from fastdecode.skipdecode import SkipDecodePolicy
 from fastdecode.skipdecode_report import policy_perplexity
@@ -31,6 +31,7 @@ from fastdecode_recipes.common import (
     resolve_resume,
     training_arguments,
 )
+from fastdecode_recipes.resume import train as train_or_finish
 from skipdecode_train.config import SkipDecodeConfig
 from skipdecode_train.module import SkipDecodeLM
 
@@ -58,9 +59,9 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
             "recipe=skipdecode trains one conversation per row (the budget counts from each response "
             "start); set data.packing=false."
         )
+    policy = rcfg.policy(model_config(job.model).num_hidden_layers, job.data.max_length)  # before the weights
     set_seed(job.seed)
     model, tokenizer = load_model(job.model)
-    policy = rcfg.policy(model.config.num_hidden_layers, job.data.max_length)  # fails before any data work
     train, held_out = build_datasets(job.data, tokenizer)
     out = Path(job.output_dir)
     if cfg is not None:
@@ -74,19 +75,21 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
     trainer = Trainer(
         model=module, args=args, train_dataset=train, eval_dataset=held_out or None, data_collator=collator
     )
-    result = trainer.train(resume_from_checkpoint=resolve_resume(job))
+    result = train_or_finish(trainer, resolve_resume(job))
     metrics = dict(result.metrics) | (trainer.evaluate() if held_out else {})
     probe = collator(held_out[:2] or train[:2])
     live_loss = probe_loss(trainer, probe)  # every rank: ZeRO-3 gathers the partitions for this forward
-    final = export_checkpoint(trainer, model, tokenizer, job.peft, out / "final")
     summary = {"checkpoint": str(out / "final"), "metrics": metrics, "policy": decoder_options(policy)}
-    if final is not None:  # rank 0
-        exported = SkipDecodeLM(final, policy).eval()
-        summary["export_check"] = _check_export(exported, probe, live_loss, model.dtype)
+    with atomic_directory(out / "final", main_process=is_main_process(), fault="export") as stage:
+        final = export_checkpoint(trainer, model, tokenizer, job.peft, stage)
+        if final is not None:  # rank 0: verified, with its decoder options, before final/ appears
+            exported = SkipDecodeLM(final, policy).eval()
+            summary["export_check"] = _check_export(exported, probe, live_loss, model.dtype)
+            options = {"decoder": "skipdecode", "num_layers": policy.num_layers, **decoder_options(policy)}
+            atomic_write_json(stage / "skipdecode.json", options)
+    if final is not None:
         after = policy_perplexity(exported.adapter, lambda _: policy, held_out) if held_out else None
         summary["held_out"] = {"before": before, "after": after}
-        options = {"decoder": "skipdecode", "num_layers": policy.num_layers, **decoder_options(policy)}
-        atomic_write_json(out / "final" / "skipdecode.json", options)
         atomic_write_json(out / "summary.json", summary)
         log.info("skipdecode done: %s", summary["held_out"])
     return summary

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastdecode.checkpoint import check_checkpoint
 from fastdecode.config import (
     ConfigError,
     ModelConfig,
@@ -167,8 +168,7 @@ def target_model_config(job: SpeedJob) -> ModelConfig:
     """The model to benchmark: ``model``, or a trained output directory given as ``checkpoint``."""
     if not job.checkpoint:
         return job.model
-    if not (Path(job.checkpoint) / "config.json").is_file():
-        raise ConfigError(f"checkpoint={job.checkpoint}: not a model directory (no config.json in it).")
+    check_checkpoint(job.checkpoint, what="checkpoint=")  # names missing files, before any model loads
     return dataclasses.replace(job.model, source="hub", name_or_path=job.checkpoint, tokenizer=None)
 
 
@@ -189,7 +189,8 @@ def _method(name: str, node: Any, exit_layer: int | None, draft: bool) -> Method
         if exit_layer is None:
             raise ConfigError(
                 f"method '{name}' needs an exit layer E and none is set: pass exit_layer=E (1 <= E < layers), "
-                "or a checkpoint whose generation_config.json has assistant_early_exit."
+                "or a checkpoint whose generation_config.json has assistant_early_exit (the LayerSkip recipe "
+                "writes it; a checkpoint of another recipe has none)."
             )
         options[exit_key] = exit_layer
     if spec.uses_draft and not draft:
@@ -245,9 +246,9 @@ def plan(cfg: Any) -> tuple[SpeedJob, list[Method], str]:
     _positive(job)
     if not job.decoder:
         raise ConfigError("no methods selected: pass decoder=[autoregressive,...] (configs/decoder options).")
+    target_model_config(job)  # an incomplete checkpoint is named before its generation config is read
     exit_layer, source = resolve_exit_layer(job)
     draft = draft_model_config(job) is not None
-    target_model_config(job)
     if job.mode == "sweep":
         selected = [n for n in job.decoder if n in (job.baseline, job.hf_baseline)]
         methods = [_method(n, job.decoder[n], exit_layer, draft) for n in selected]
