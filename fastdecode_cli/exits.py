@@ -33,11 +33,13 @@ class ExitsJob:
 def run(cfg: Any) -> dict:
     """Measure the model (and its base, with a checkpoint) and write the report; returns it."""
     from fastdecode.data.chat import build_datasets
+    from fastdecode.data.config import check_data_files
     from fastdecode.exit_report import choose_exit, exit_report, head_cost_in_blocks, plot_reports
     from fastdecode.io import atomic_write_json
     from fastdecode.loading import load_model
 
     job = to_dataclass(ExitsJob, cfg, "")
+    check_data_files(job.data)  # before any model loads
     targets = {"model": job.model}
     if job.checkpoint:
         from fastdecode.checkpoint import check_checkpoint

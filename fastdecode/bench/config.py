@@ -240,6 +240,17 @@ def _sweep_methods(job: SpeedJob, methods: list[Method], draft: bool) -> list[Me
     return kept
 
 
+def check_exit_layers(methods: list[Method], num_layers: int) -> None:
+    """Every method's exit layer E must leave layers to verify with: 1 <= E < num_layers (from the model's
+    config.json, before its weights load)."""
+    for method in methods:
+        if method.exit_layer is not None and not 1 <= method.exit_layer < num_layers:
+            raise ConfigError(
+                f"method '{method.name}': exit layer {method.exit_layer} must be in [1, {num_layers - 1}] (the "
+                f"model has {num_layers} layers)."
+            )
+
+
 def plan(cfg: Any) -> tuple[SpeedJob, list[Method], str]:
     """Convert and check the whole job: ``(job, methods, where E came from)``; raises ConfigError early."""
     job = to_dataclass(SpeedJob, cfg, "")
