@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -27,11 +28,12 @@ from cllm_train.shards import ShardWriter, merge_parts
 from cllm_train.trajectories import ChunkResult, FilterConfig, Prompt, collect_chunk
 from fastdecode.config import ConfigError, ModelConfig, to_dataclass
 from fastdecode.data.chat import tokenize_conversation
-from fastdecode.data.config import DataConfig, check_trainable
+from fastdecode.data.config import DataConfig, check_data_files, check_trainable
 from fastdecode.data.sources import load_records
 from fastdecode.distributed import world_size
 from fastdecode.jacobi import check_block_size
 from fastdecode.loading import load_model, load_tokenizer
+from fastdecode.locks import file_lock
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokens import IGNORE_INDEX
 
@@ -173,8 +175,12 @@ def run(cfg: Any, after_commit: Callable[[int], None] | None = None) -> dict:
     """Collect (or resume) the trajectories of ``cfg``; returns the manifest (merged on rank 0).
 
     ``after_commit(k)`` is called after the k-th batch committed in this run (tests interrupt through it).
+    Two runs into one ``output_dir`` at once are refused (a lock file per rank; a killed run's lock is taken
+    over with a log line).
     """
     job = to_dataclass(CollectJob, cfg, "")
+    check_trainable(job.data)  # benchmarks never become training data: refused before anything loads
+    check_data_files(job.data)
     rank, world = _distributed()
     from fastdecode.assets import model_load_path
 
@@ -182,7 +188,21 @@ def run(cfg: Any, after_commit: Callable[[int], None] | None = None) -> dict:
     tokenizer = load_tokenizer(job.model, path)
     context = _context(job.model, path)
     prompts, skipped = build_prompts(job, tokenizer, context)
-    mine = prompts[rank::world]
+    lock = Path(job.output_dir) / f".collect.rank{rank}.lock"  # per rank: a second run's ranks all collide
+    with file_lock(lock, f"output_dir {job.output_dir} (rank {rank})", wait=False):
+        return _collect_locked(job, prompts[rank::world], skipped, tokenizer, rank, world, after_commit)
+
+
+def _collect_locked(
+    job: CollectJob,
+    mine: list[Prompt],
+    skipped: Counter,
+    tokenizer: Any,
+    rank: int,
+    world: int,
+    after_commit: Callable[[int], None] | None,
+) -> dict:
+    """The part of ``run`` that writes into ``output_dir``, while this rank holds the directory's lock."""
     header = {
         "model": {"id": model_identity(job.model), "name": job.model.name},
         "tokenizer": tokenizer_fingerprint(tokenizer),

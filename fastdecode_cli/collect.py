@@ -10,7 +10,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR
-from fastdecode_cli.launch import strip_launcher_args
+from fastdecode_cli.launch import check_command_line, strip_launcher_args
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="collect_jacobi", version_base="1.3")
@@ -22,6 +22,7 @@ def _main(cfg: DictConfig) -> None:
 
 def main() -> None:
     strip_launcher_args()  # the DeepSpeed launcher appends --local_rank=N, which Hydra would reject
+    check_command_line("collect_jacobi")  # misspelt keys get our did-you-mean
     _main()
 
 

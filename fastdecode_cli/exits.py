@@ -37,13 +37,18 @@ class ExitsJob:
 def run(cfg: Any) -> dict:
     """Measure the model (and its base, with a checkpoint) and write the report; returns it."""
     from fastdecode.data.chat import build_datasets
+    from fastdecode.data.config import check_data_files
     from fastdecode.exit_report import choose_exit, exit_report, head_cost_in_blocks, plot_reports
     from fastdecode.io import atomic_write_json
     from fastdecode.loading import load_model
 
     job = to_dataclass(ExitsJob, cfg, "")
+    check_data_files(job.data)  # before any model loads
     targets = {"model": job.model}
     if job.checkpoint:
+        from fastdecode.checkpoint import check_checkpoint
+
+        check_checkpoint(job.checkpoint, what="checkpoint=")  # before the base model loads
         after = dataclasses.replace(job.model, source="hub", name_or_path=job.checkpoint, tokenizer=None)
         targets = ({"base": job.model} if job.compare_base else {}) | {"checkpoint": after}
     reports, held_out = {}, None
@@ -112,11 +117,18 @@ def adapter_report(model, tokenizer, job: ExitsJob, prompts: list[str]) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="exits", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     reports = run(cfg)
     for label, report in reports.items():
         agreement = report["generations"]["agreement"]
         print(label, {k: round(v, 3) for k, v in agreement.items()}, report["recommended"])
+
+
+def main() -> None:
+    from fastdecode_cli.launch import check_command_line
+
+    check_command_line("exits")  # misspelt keys get our did-you-mean; --help lists this config's groups
+    _main()
 
 
 if __name__ == "__main__":

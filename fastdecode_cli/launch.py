@@ -1,9 +1,17 @@
-"""What the multi-process launchers need from the entry points before Hydra parses the command line."""
+"""What the entry points do before Hydra parses the command line.
+
+Strip the multi-process launchers' arguments, and check the overrides the way Hydra will compose them, so a
+misspelt key or group option fails with our did-you-mean message (Hydra would suggest ``+key=`` to append
+it), and ``--help`` lists only the config groups the entry point composes (the configs folder is shared:
+Hydra's own help would also list, e.g., ``decoder`` under ``train``, which train does not accept).
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+from pathlib import Path
 
 
 def strip_launcher_args(argv: list[str] | None = None) -> list[str]:
@@ -28,3 +36,129 @@ def strip_launcher_args(argv: list[str] | None = None) -> list[str]:
         out.append(arg)
     args[:] = out
     return args
+
+
+def _parse(argv: list[str]):
+    """Hydra's own reading of the command line (flags, overrides), or None if it cannot be read."""
+    try:
+        from hydra._internal.utils import get_args_parser
+
+        return get_args_parser().parse_args(argv)
+    except (ImportError, SystemExit):  # an unreadable command line: Hydra itself will say why
+        return None
+
+
+def _compose(config_name: str, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from fastdecode.config import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+def config_groups(config_name: str) -> list[str]:
+    """The config groups that ``configs/<config_name>.yaml`` composes (its defaults list), in order."""
+    from omegaconf import OmegaConf
+
+    from fastdecode.config import CONFIG_DIR
+
+    defaults = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / f"{config_name}.yaml")).get("defaults", [])
+    names = [next(iter(d)) for d in defaults if isinstance(d, dict)]
+    return [n for n in names if not n.startswith(("override", "hydra"))]
+
+
+def _node_keys(config_name: str, overrides: list[str], parent: str) -> list[str]:
+    """The keys at ``parent`` of the config, composed with the overrides that pick group options (they
+    decide the tree's shape; a value override cannot)."""
+    from omegaconf import OmegaConf
+
+    groups = config_groups(config_name)
+    picks = [o for o in overrides if o.split("=")[0].lstrip("+") in groups]
+    for attempt in (picks, []):
+        try:
+            cfg = _compose(config_name, attempt)
+            break
+        except Exception:  # a bad group option among them: the shape of the defaults will do
+            continue
+    else:
+        return []
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    return [str(k) for k in node] if node is not None and OmegaConf.is_dict(node) else []
+
+
+def _override_error(config_name: str, overrides: list[str], err: Exception) -> Exception | None:
+    """Our did-you-mean error for a Hydra composition error, or None when we have nothing better to say."""
+    from fastdecode.config import ConfigError, _suggest, group_choices, unknown_name_error
+
+    text, cause = str(err), err.__cause__
+    missing = re.search(r"Could not find '([\w-]+)/([^']+)'", text)
+    if missing:
+        group, name = missing.groups()
+        return unknown_name_error(group, name, group_choices(group), f"Pick one with {group}=NAME.")
+    no_group = re.search(r"Could not override '([\w.]+)'\. No match in the defaults list", text)
+    if no_group:
+        groups = config_groups(config_name)
+        return ConfigError(
+            f"'{no_group.group(1)}' is not a config group of {config_name}.{_suggest(no_group.group(1), groups)} "
+            f"Its groups: {', '.join(groups)}."
+        )
+    full_key = getattr(cause, "full_key", None)
+    if not full_key or "Could not override" not in text:
+        return None
+    parent, _, key = str(full_key).rpartition(".")
+    keys = _node_keys(config_name, [o for o in overrides if not o.startswith(f"{full_key}=")], parent)
+    where = f"'{parent}'" if parent else "the config"
+    if parent == "trainer":  # every TrainingArguments field is valid; the yaml sets a few of them
+        from dataclasses import fields
+
+        from transformers import TrainingArguments
+
+        valid = [f.name for f in fields(TrainingArguments) if f.init]
+        if key in valid:
+            return ConfigError(
+                f"trainer.{key} is a TrainingArguments field that the trainer config does not set: add it with "
+                f"+trainer.{key}=VALUE."
+            )
+        return ConfigError(
+            f"Unknown key 'trainer.{key}': not a transformers.TrainingArguments field.{_suggest(key, valid)}"
+        )
+    return ConfigError(
+        f"Unknown key '{full_key}'.{_suggest(key, keys)} Valid keys of {where}: {', '.join(sorted(keys))}."
+    )
+
+
+def print_help(config_name: str, overrides: list[str]) -> None:
+    """Hydra's ``--help`` page, with only the groups that ``config_name`` composes."""
+    from omegaconf import OmegaConf
+
+    from fastdecode.config import group_choices
+
+    app = Path(sys.argv[0]).stem.removeprefix("fastdecode-")
+    groups = "\n".join(f"{g}: {', '.join(group_choices(g))}" for g in sorted(config_groups(config_name)))
+    print(
+        f"{app} is powered by Hydra.\n\n== Configuration groups ==\nCompose your configuration from those "
+        f"groups (group=option)\n\n{groups}\n\n\n== Config ==\nOverride anything in the config (foo.bar=value)"
+        f"\n\n{OmegaConf.to_yaml(_compose(config_name, overrides))}\n"
+        "Powered by Hydra (https://hydra.cc)\nUse --hydra-help to view Hydra specific help\n"
+    )
+
+
+def check_command_line(config_name: str, argv: list[str] | None = None) -> None:
+    """Before ``@hydra.main``: ``--help`` is answered here (then exit), and the overrides are composed once
+    so a misspelt key or option raises our ConfigError. Multirun sweeps and other config names are left
+    to Hydra."""
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    if args is None or args.multirun or args.config_name or args.config_path or args.config_dir:
+        return
+    overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("hydra")]
+    if args.help:
+        print_help(config_name, overrides)
+        sys.exit(0)
+    try:
+        _compose(config_name, overrides)
+    except Exception as err:
+        ours = _override_error(config_name, overrides, err)
+        if ours is not None:
+            raise ours from None
+        # anything else: Hydra reports it in its own words when it composes

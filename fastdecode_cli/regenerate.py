@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, to_dataclass
 from fastdecode.data.chat import user_prompt_ids
-from fastdecode.data.config import DataConfig, check_trainable
+from fastdecode.data.config import DataConfig, check_data_files, check_trainable
 from fastdecode.io import atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ def run(cfg: Any) -> dict:
     if job.num_prompts < 1 or job.batch_size < 1:
         raise ConfigError("num_prompts and batch_size must be >= 1.")
     check_trainable(job.data)  # prompts come from the training split: benchmarks are refused before loading
+    check_data_files(job.data)
     out = Path(job.output)
     lines = _done(out)
     model, tokenizer = load_model(job.model)
@@ -99,8 +100,15 @@ def run(cfg: Any) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="regenerate", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     print(run(cfg))
+
+
+def main() -> None:
+    from fastdecode_cli.launch import check_command_line
+
+    check_command_line("regenerate")  # misspelt keys get our did-you-mean; --help lists this config's groups
+    _main()
 
 
 if __name__ == "__main__":

@@ -24,10 +24,17 @@ def run(cfg: Any) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="speed", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     from fastdecode.bench.report import to_markdown
 
     print(to_markdown(run(cfg)))
+
+
+def main() -> None:
+    from fastdecode_cli.launch import check_command_line
+
+    check_command_line("speed")  # misspelt keys get our did-you-mean; --help lists this config's groups
+    _main()
 
 
 if __name__ == "__main__":

@@ -22,10 +22,12 @@ def run(cfg: Any) -> dict:
     """Run the recipe named by ``cfg.recipe.name`` (the plain function behind ``python train.py``)."""
     from fastdecode.config import unknown_name_error
     from fastdecode_recipes.common import load_job
+    from fastdecode_recipes.preflight import preflight
 
     job = load_job(cfg)
     name = job.recipe["name"]
     if name not in RECIPES:
         raise unknown_name_error("recipe", name, list(RECIPES), "Pick one with recipe=NAME.")
+    job = preflight(job)  # data files, resume checkpoint: before any weights load
     module = importlib.import_module(RECIPES[name])
     return module.run(job, cfg)

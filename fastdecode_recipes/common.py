@@ -12,6 +12,7 @@ from typing import Any
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, _suggest, to_dataclass
 from fastdecode.data.config import DataConfig
 from fastdecode.distributed import is_main_process, world_size
+from fastdecode_recipes.trainer_args import check_trainer_values
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ def load_job(cfg: Any) -> TrainJob:
     if "name" not in job.recipe:
         raise ConfigError("recipe.name is missing: pick a recipe with recipe=NAME.")
     check_trainer_keys(job.trainer)
+    job.trainer = check_trainer_values(job.trainer)  # typed before anything loads
     return job
 
 
@@ -79,23 +81,18 @@ def check_trainer_keys(trainer: dict) -> None:
 
 
 def latest_checkpoint(output_dir: str | Path) -> str | None:
-    """The newest ``checkpoint-N`` folder in ``output_dir`` (by N), or None."""
-    ckpts = [p for p in Path(output_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
-    return str(max(ckpts, key=lambda p: int(p.name.split("-")[-1]))) if ckpts else None
+    """The newest complete ``checkpoint-N`` folder in ``output_dir`` (by N), or None (``resume.py``)."""
+    from fastdecode_recipes.resume import latest_complete_checkpoint
+
+    return latest_complete_checkpoint(output_dir)
 
 
 def resolve_resume(job: TrainJob) -> str | None:
-    """``auto`` -> latest checkpoint in output_dir (None on a fresh run); a PATH must exist."""
-    resume = job.resume_from_checkpoint
-    if resume in (None, "", "null"):
-        return None
-    if resume == "auto":
-        return latest_checkpoint(job.output_dir)
-    if not Path(resume).is_dir():
-        raise ConfigError(
-            f"resume_from_checkpoint={resume} is not a directory; use auto or a checkpoint path."
-        )
-    return resume
+    """``auto`` -> the newest complete checkpoint in output_dir (None on a fresh run); a PATH must be a
+    complete checkpoint (``resume.py``)."""
+    from fastdecode_recipes.resume import resolve_resume as resolve
+
+    return resolve(job.resume_from_checkpoint, job.output_dir)
 
 
 def training_arguments(job: TrainJob, **overrides: Any):
@@ -195,6 +192,9 @@ def check_deepspeed_batch(job: TrainJob) -> None:
 
 def export_checkpoint(trainer, hf_model, tokenizer, peft: PeftConfig, out_dir: str | Path):
     """Save the trained weights as a plain HF directory that ``from_pretrained`` loads; return that model.
+
+    ``out_dir`` is the staging directory of ``fastdecode.io.atomic_directory`` in every recipe, so that
+    ``final/`` appears whole (weights, tokenizer, the recipe's additions, a file manifest) or not at all.
 
     Works the same for single process, DDP and ZeRO-2/3: the full state dict is gathered (ZeRO-3 partitions
     are all-gathered; every rank must call this), loaded on rank 0 into a fresh model of the same class

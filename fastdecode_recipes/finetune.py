@@ -1,7 +1,7 @@
 """The step sequence every fine-tuning recipe runs, written once; a recipe supplies only what is its own.
 
 ``finetune(job, cfg, recipe)``: DeepSpeed batch check -> seed -> ``recipe.prepare`` (work that must fail
-before the weights load) -> load the model -> ``recipe.validate`` -> ``recipe.datasets`` -> resolved config
+before the weights load) -> ``recipe.validate`` (against the HF config) -> load the model -> ``recipe.datasets`` -> resolved config
 -> ``recipe.before_report`` (main process) -> ``TrainingArguments`` -> LoRA (``peft`` group) ->
 ``recipe.module`` -> ``recipe.trainer_class`` -> train (+ evaluate on the eval set) -> probe loss of the live
 model -> export (plain HF directory, LoRA merged) -> the export checked against the live model ->
@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel, Trainer, TrainingArguments, set_seed
+from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments, set_seed
 
 from fastdecode.data.chat import build_datasets, collate
 from fastdecode.distributed import is_main_process
-from fastdecode.io import atomic_write_json, save_resolved_config
-from fastdecode.loading import load_model
+from fastdecode.io import atomic_directory, atomic_write_json, save_resolved_config
+from fastdecode.loading import load_model, model_config
 from fastdecode_recipes.common import (
     TrainJob,
     apply_peft,
@@ -39,6 +39,7 @@ from fastdecode_recipes.common import (
     resolve_resume,
     training_arguments,
 )
+from fastdecode_recipes.resume import train as train_or_finish
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class FinetuneRun:
     trainer: Trainer
     before: Any = None  # ``recipe.before_report``'s result (main process), else None
     final: PreTrainedModel | None = None  # the exported checkpoint as a model (rank 0), else None
+    # where the after-training hooks write files that belong in ``final/``: the export's staging directory,
+    # renamed onto ``out / "final"`` as a whole once every hook ran (fastdecode.io.atomic_directory)
+    stage: Path | None = None
     summary: dict = dataclasses.field(default_factory=dict)
 
 
@@ -77,8 +81,9 @@ class Recipe:
     def prepare(self) -> None:
         """Checks and loading that must happen before the weights load (they fail fast, or avoid a load)."""
 
-    def validate(self, model: PreTrainedModel) -> None:
-        """Check the recipe config against the loaded model, before any data work."""
+    def validate(self, config: PretrainedConfig) -> None:
+        """Check the recipe config against the model's HF config (read without its weights: a bad value
+        fails before a 7B model loads)."""
 
     def datasets(self, tokenizer: Any) -> tuple[list[dict], list[dict]]:
         """``(train, held_out)`` examples; held-out examples feed the eval set and the reports."""
@@ -126,8 +131,8 @@ def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
     check_deepspeed_batch(job)
     set_seed(job.seed)
     recipe.prepare()
+    recipe.validate(model_config(job.model))
     model, tokenizer = load_model(job.model)
-    recipe.validate(model)
     train, held_out = recipe.datasets(tokenizer)
     out = Path(job.output_dir)
     if cfg is not None:
@@ -144,7 +149,7 @@ def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
         data_collator=collator,
         **recipe.trainer_kwargs(tokenizer),
     )
-    result = trainer.train(resume_from_checkpoint=resolve_resume(job))
+    result = train_or_finish(trainer, resolve_resume(job))  # a finished run is not trained one step more
     metrics = dict(result.metrics) | (trainer.evaluate() if eval_set else {})
     run = FinetuneRun(
         job=job,
@@ -160,11 +165,16 @@ def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
     run.summary = {"checkpoint": str(out / "final"), "metrics": metrics} | recipe.summary()
     probe = collator((eval_set or train)[:2])
     live_loss = probe_loss(trainer, probe)  # every rank: ZeRO-3 gathers the partitions for this forward
-    run.final = export_checkpoint(trainer, model, tokenizer, job.peft, out / "final")
-    if run.final is not None:  # rank 0
-        run.summary["export_check"] = _check_export(recipe, run, probe, live_loss)
-        run.summary |= recipe.after_report(run)
-        run.summary |= recipe.extra_files(run)
+    # final/ appears whole, with the recipe's files, or not at all (a kill during the export leaves the old one)
+    with atomic_directory(out / "final", main_process=is_main_process(), fault="export") as stage:
+        run.stage = stage
+        run.final = export_checkpoint(trainer, model, tokenizer, job.peft, stage)
+        if run.final is not None:  # rank 0
+            run.summary["export_check"] = _check_export(recipe, run, probe, live_loss)
+            run.summary |= recipe.after_report(run)
+            run.summary |= recipe.extra_files(run)
+    run.stage = out / "final"
+    if run.final is not None:
         atomic_write_json(out / "summary.json", run.summary)
         log.info("%s: checkpoint %s, metrics %s", job.recipe["name"], out / "final", metrics)
     return run

@@ -87,8 +87,8 @@ class LayerSkip(Recipe):
         self.rcfg = to_dataclass(LayerSkipConfig, job.recipe, "recipe")
         self.report_set: list[dict] = []
 
-    def validate(self, model) -> None:
-        validate(self.rcfg, model.config.num_hidden_layers)
+    def validate(self, config) -> None:
+        validate(self.rcfg, config.num_hidden_layers)
 
     def datasets(self, tokenizer) -> tuple[list[dict], list[dict]]:
         train, held_out = super().datasets(tokenizer)
@@ -110,10 +110,11 @@ class LayerSkip(Recipe):
         return _report(model, tokenizer, self.report_set, self.rcfg) if r.enabled and r.before else None
 
     def after_report(self, run: FinetuneRun) -> dict:
-        return _finish(run.final, run.tokenizer, self.report_set, self.rcfg, run.before, run.out)
+        return _finish(run.final, run.tokenizer, self.report_set, self.rcfg, run.before, run.out, run.stage)
 
     def extra_files(self, run: FinetuneRun) -> dict:
-        return {"draft_vocab": _write_draft_vocab(run.train, run.tokenizer, self.rcfg, run.out / "final")}
+        vocab = _write_draft_vocab(run.train, run.tokenizer, self.rcfg, run.stage, run.out / "final")
+        return {"draft_vocab": vocab}
 
 
 def run(job: TrainJob, cfg: Any = None) -> dict:
@@ -159,18 +160,24 @@ def _speed_line(
     return result
 
 
-def _write_draft_vocab(train: list[dict], tokenizer, rcfg: LayerSkipConfig, final_dir: Path) -> str | None:
-    """``draft_vocab.json`` next to the checkpoint (``decoder.draft_vocab=<it>`` makes drafting cheaper)."""
+def _write_draft_vocab(
+    train: list[dict], tokenizer, rcfg: LayerSkipConfig, stage: Path, final_dir: Path
+) -> str | None:
+    """``draft_vocab.json`` next to the checkpoint (``decoder.draft_vocab=<it>`` makes drafting cheaper),
+    written into the export's staging directory ``stage``; returns its path once published in ``final_dir``."""
     size, vocab = rcfg.draft_vocab_size, len(tokenizer)
     if size is None or size >= vocab:
         return None
     ids = draft_vocab_from_examples(train, tokenizer, size)
-    path = save_draft_vocab(final_dir / DRAFT_VOCAB_FILE, ids, vocab_size=vocab, source="training data")
-    return str(path)
+    save_draft_vocab(stage / DRAFT_VOCAB_FILE, ids, vocab_size=vocab, source="training data")
+    return str(final_dir / DRAFT_VOCAB_FILE)
 
 
-def _finish(final, tokenizer, held_out, rcfg: LayerSkipConfig, before: dict | None, out: Path) -> dict:
-    """Exit report after training, the recommended exit in generation_config, report JSON + plot."""
+def _finish(
+    final, tokenizer, held_out, rcfg: LayerSkipConfig, before: dict | None, out: Path, stage: Path
+) -> dict:
+    """Exit report after training, the recommended exit in generation_config (written into the export's
+    staging directory ``stage``), report JSON + plot."""
     num_layers = final.config.num_hidden_layers
     after = _report(final, tokenizer, held_out, rcfg) if rcfg.report.enabled else None
     if rcfg.exit_layer is not None:
@@ -183,7 +190,7 @@ def _finish(final, tokenizer, held_out, rcfg: LayerSkipConfig, before: dict | No
         choice = {"exit": None, "source": "no report"}
     if choice["exit"] is not None:  # plain transformers users then self-speculate with generate()
         final.generation_config.assistant_early_exit = int(choice["exit"])
-        final.generation_config.save_pretrained(str(out / "final"))
+        final.generation_config.save_pretrained(str(stage))
         log.info("recommended exit E=%s (%s)", choice["exit"], choice["source"])
     else:
         log.warning("no exit is expected to speed decoding up yet (%s); assistant_early_exit not set", choice)

@@ -55,8 +55,8 @@ class SkipDecode(Recipe):
                 "start); set data.packing=false."
             )
 
-    def validate(self, model) -> None:  # the policy is built (and checked) before any data work
-        self.policy = self.rcfg.policy(model.config.num_hidden_layers, self.job.data.max_length)
+    def validate(self, config) -> None:  # the policy is built (and checked) before the weights load
+        self.policy = self.rcfg.policy(config.num_hidden_layers, self.job.data.max_length)
 
     def collator(self, tokenizer, model):
         return functools.partial(collate, pad_id=tokenizer.pad_token_id, mask_dtype=model.dtype, four_d=False)
@@ -84,7 +84,7 @@ class SkipDecode(Recipe):
             "num_layers": self.policy.num_layers,
             **decoder_options(self.policy),
         }
-        atomic_write_json(run.out / "final" / "skipdecode.json", options)
+        atomic_write_json(run.stage / "skipdecode.json", options)
         return {}
 
 

@@ -48,9 +48,9 @@ class Recording(Recipe):
     def prepare(self) -> None:
         self.calls.append("prepare")
 
-    def validate(self, model) -> None:
+    def validate(self, config) -> None:
         self.calls.append("validate")
-        assert not hasattr(model, "peft_config")  # before LoRA and before the data
+        assert config.num_hidden_layers == 4 and not hasattr(config, "peft_config")  # the HF config, no weights
 
     def datasets(self, tokenizer):
         self.calls.append("datasets")

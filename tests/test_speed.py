@@ -73,8 +73,13 @@ def test_default_speed_config_needs_an_exit_layer_for_self_speculation():
 
 
 def test_exit_layer_comes_from_the_checkpoint_generation_config(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"assistant_early_exit": 3}))
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))  # plan() checks the files are there
+    (tmp_path / "tokenizer.json").write_text("{}")
     job, methods, source = plan(_compose("model=tiny-llama", f"checkpoint={tmp_path}"))
     assert source.startswith("checkpoint") and methods[1].options["exit_layer"] == 3
 

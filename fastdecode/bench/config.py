@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastdecode.checkpoint import check_checkpoint
 from fastdecode.config import (
     ConfigError,
     ModelConfig,
@@ -174,8 +175,7 @@ def target_model_config(job: SpeedJob) -> ModelConfig:
     """The model to benchmark: ``model``, or a trained output directory given as ``checkpoint``."""
     if not job.checkpoint:
         return job.model
-    if not (Path(job.checkpoint) / "config.json").is_file():
-        raise ConfigError(f"checkpoint={job.checkpoint}: not a model directory (no config.json in it).")
+    check_checkpoint(job.checkpoint, what="checkpoint=")  # names missing files, before any model loads
     return dataclasses.replace(job.model, source="hub", name_or_path=job.checkpoint, tokenizer=None)
 
 
@@ -280,7 +280,8 @@ def _method(
         if exit_layer is None:
             raise ConfigError(
                 f"method '{name}' needs an exit layer E and none is set: pass exit_layer=E (1 <= E < layers), "
-                "or a checkpoint whose generation_config.json has assistant_early_exit."
+                "or a checkpoint whose generation_config.json has assistant_early_exit (the LayerSkip recipe "
+                "writes it; a checkpoint of another recipe has none)."
             )
         options[exit_key] = exit_layer
     draft_source = resolve_draft_tokens(options, options.get(exit_key), checkpoint)
@@ -343,12 +344,24 @@ def _sweep_methods(job: SpeedJob, methods: list[Method], draft: bool) -> list[Me
     return kept
 
 
+def check_exit_layers(methods: list[Method], num_layers: int) -> None:
+    """Every method's exit layer E must leave layers to verify with: 1 <= E < num_layers (from the model's
+    config.json, before its weights load)."""
+    for method in methods:
+        if method.exit_layer is not None and not 1 <= method.exit_layer < num_layers:
+            raise ConfigError(
+                f"method '{method.name}': exit layer {method.exit_layer} must be in [1, {num_layers - 1}] (the "
+                f"model has {num_layers} layers)."
+            )
+
+
 def plan(cfg: Any) -> tuple[SpeedJob, list[Method], str]:
     """Convert and check the whole job: ``(job, methods, where E came from)``; raises ConfigError early."""
     job = to_dataclass(SpeedJob, cfg, "")
     _positive(job)
     if not job.decoder:
         raise ConfigError("no methods selected: pass decoder=[autoregressive,...] (configs/decoder options).")
+    target_model_config(job)  # an incomplete checkpoint is named before its generation config is read
     exit_layer, source = resolve_exit_layer(job)
     draft = draft_model_config(job) is not None
     target_model_config(job)

@@ -13,7 +13,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fastdecode.bench.config import Method, SpeedJob, draft_model_config, plan, target_model_config
+from fastdecode.bench.config import (
+    Method,
+    SpeedJob,
+    check_exit_layers,
+    draft_model_config,
+    plan,
+    target_model_config,
+)
 from fastdecode.bench.engines import FastdecodeRunner, HFRunner
 from fastdecode.bench.stats import Record, attach_matches, oracle_report, summarise
 from fastdecode.config import ConfigError
@@ -113,11 +120,13 @@ def run(cfg: Any) -> dict:
     """The whole benchmark for one model and prompt set; returns the result written to ``output_dir``."""
     from fastdecode.bench.measure import measure
     from fastdecode.bench.report import environment, write_report
-    from fastdecode.loading import load_model
+    from fastdecode.loading import load_model, model_config
 
     job, methods, exit_source = plan(cfg)
     records = read_prompt_records(job)  # a missing data file fails before any model loads
-    model, tokenizer = load_model(target_model_config(job))
+    target = target_model_config(job)
+    check_exit_layers(methods, model_config(target).num_hidden_layers)  # config.json, not the weights
+    model, tokenizer = load_model(target)
     draft = None
     if any(m.spec.uses_draft for m in methods):
         draft = load_model(draft_model_config(job))[0]

@@ -18,7 +18,7 @@ import torch
 
 from fastdecode.config import ConfigError
 from fastdecode.data.config import DataConfig, check_trainable
-from fastdecode.data.sources import read_records, split_records
+from fastdecode.data.sources import read_records_with_stats, split_records
 from fastdecode.tokens import IGNORE_INDEX
 
 __all__ = [
@@ -225,17 +225,19 @@ def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[list[dict], list[di
     held-out examples are never packed, so evaluation loss is per conversation.
     """
     check_trainable(cfg)
-    records = read_records(cfg)
+    records, stats = read_records_with_stats(cfg)
     train_recs, held_recs = split_records(records, cfg.held_out, cfg.split_seed)
     if cfg.max_samples is not None:
         train_recs = train_recs[: cfg.max_samples]
     train, truncated, dropped = _tokenize_all(train_recs, tokenizer, cfg)
     held, _, held_dropped = _tokenize_all(held_recs, tokenizer, cfg)
     if not train:
+        cleaning = ", ".join(f"{n} {why}" for why, n in sorted(stats.dropped.items())) or "none"
         raise ConfigError(
-            f"dataset '{cfg.name}' is empty after filtering ({len(records)} read, {len(held_recs)} held out, "
-            f"{dropped} dropped because no assistant token fits in max_length={cfg.max_length}); "
-            "raise data.max_length, lower data.held_out, shorten data.system_prompt, or check the source."
+            f"dataset '{cfg.name}' is empty after filtering ({stats.read} read, {len(records)} kept after "
+            f"cleaning (dropped: {cleaning}), {len(held_recs)} held out, {dropped} dropped because no "
+            f"assistant token fits in max_length={cfg.max_length}); raise data.max_length, lower "
+            "data.held_out, shorten data.system_prompt, or check the source."
         )
     tokens = sum(len(ex["input_ids"]) for ex in train)
     logger.info(

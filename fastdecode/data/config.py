@@ -13,6 +13,7 @@ A data config names one source (``configs/data/<name>.yaml``):
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from fastdecode.config import ConfigError, PypiAsset, unknown_name_error
 
@@ -105,3 +106,18 @@ def require_path(cfg: DataConfig) -> str:
             '(one {"messages": [...]} or {"prompt": ..., "response": ...} object per line).'
         )
     return cfg.path
+
+
+def check_data_files(cfg: DataConfig) -> None:
+    """The local files ``cfg`` reads exist (checked before any model loads; the PyPI copy is fetched later)."""
+    if cfg.source == "jsonl":
+        require_path(cfg)
+    if cfg.path and not Path(cfg.path).is_file():
+        raise ConfigError(f"data '{cfg.name}': data.path={cfg.path} is not a file.")
+    files = [cfg.hf_data_files] if isinstance(cfg.hf_data_files, str) else list(cfg.hf_data_files or [])
+    if cfg.source == "hf" and cfg.hf_name in ("json", "csv", "parquet", "text", "arrow"):
+        missing = [
+            f for f in files if "://" not in f and not any(c in f for c in "*?[") and not Path(f).exists()
+        ]
+        if missing:
+            raise ConfigError(f"data '{cfg.name}': data.hf_data_files {missing} do not exist.")

@@ -196,12 +196,27 @@ def read_humaneval(path: str | Path) -> list[dict]:
     return records
 
 
-def _jsonl_rows(path: Path) -> Iterator[Any]:
+def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(1-based line number, text)`` of a (gzipped) text file; a non-UTF-8 line names file, line, byte."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError(
+                    f"{path}, line {lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                    f"{err.start + 1}); re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)."
+                ) from None
+
+
+def _jsonl_rows(path: Path) -> Iterator[Any]:
+    for lineno, line in _text_lines(path):
+        if line.strip():
+            try:
                 yield json.loads(line)
+            except ValueError as err:
+                raise ConfigError(f"{path}, line {lineno}: {err}") from err
 
 
 def row_to_messages(row: dict, cfg: DataConfig) -> list[dict[str, str]]:
@@ -224,21 +239,20 @@ def read_jsonl(path: str | Path, cfg: DataConfig) -> tuple[list[dict], ReadStats
     path, stats, records = Path(path), ReadStats(), []
     if not path.is_file():
         raise ConfigError(f"data '{cfg.name}': data.path={path} is not a file.")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise ValueError(f"expected a JSON object, got {type(row).__name__}")
-                messages = row_to_messages(row, cfg)
-            except ValueError as err:  # json.JSONDecodeError is a ValueError
-                raise ConfigError(f"{path}, line {lineno}: {err}") from err
-            stats.read += 1
-            messages = clean_conversation(messages, stats)
-            if messages is not None:
-                records.append({"id": str(row.get("id", f"{path.name}:{lineno}")), "messages": messages})
+    for lineno, line in _text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+            messages = row_to_messages(row, cfg)
+        except ValueError as err:  # json.JSONDecodeError is a ValueError
+            raise ConfigError(f"{path}, line {lineno}: {err}") from err
+        stats.read += 1
+        messages = clean_conversation(messages, stats)
+        if messages is not None:
+            records.append({"id": str(row.get("id", f"{path.name}:{lineno}")), "messages": messages})
     stats.kept = len(records)
     stats.log(f"jsonl {path}")
     return records, stats
@@ -299,21 +313,31 @@ def _packaged_file(cfg: DataConfig) -> Path:
 def read_records(cfg: DataConfig) -> list[dict]:
     """Every record of ``cfg``'s source (no split, no ``max_samples``), ``system_prompt`` prepended where the
     conversation has no system message."""
+    return read_records_with_stats(cfg)[0]
+
+
+def read_records_with_stats(cfg: DataConfig) -> tuple[list[dict], ReadStats]:
+    """``read_records`` and what the reader saw (raw records read, dropped per reason); benchmarks, which
+    are not cleaned, count every question as read and kept."""
     readers = {
-        "sharegpt": lambda: read_sharegpt(_packaged_file(cfg))[0],
-        "mt_bench": lambda: read_mt_bench(_packaged_file(cfg)),
-        "humaneval": lambda: read_humaneval(_packaged_file(cfg)),
-        "jsonl": lambda: read_jsonl(require_path(cfg), cfg)[0],
-        "hf": lambda: read_hf(cfg)[0],
+        "sharegpt": lambda: read_sharegpt(_packaged_file(cfg)),
+        "mt_bench": lambda: _all_kept(read_mt_bench(_packaged_file(cfg))),
+        "humaneval": lambda: _all_kept(read_humaneval(_packaged_file(cfg))),
+        "jsonl": lambda: read_jsonl(require_path(cfg), cfg),
+        "hf": lambda: read_hf(cfg),
     }
     if cfg.source not in readers:
         raise unknown_name_error("data source", cfg.source, list(readers))
-    records = readers[cfg.source]()
+    records, stats = readers[cfg.source]()
     if cfg.system_prompt:
         for rec in records:
             if rec["messages"][0]["role"] != "system":
                 rec["messages"].insert(0, {"role": "system", "content": cfg.system_prompt})
-    return records
+    return records, stats
+
+
+def _all_kept(records: list[dict]) -> tuple[list[dict], ReadStats]:
+    return records, ReadStats(read=len(records), kept=len(records))
 
 
 def load_records(cfg: DataConfig, split: str = "all") -> list[dict]:

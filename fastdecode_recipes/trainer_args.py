@@ -1,0 +1,100 @@
+"""The ``trainer`` group's values, typed against ``transformers.TrainingArguments`` before anything loads.
+
+Keys are checked by ``common.check_trainer_keys``; here every value is checked against its field's type hint
+(numbers, booleans, strings, the Hugging Face enums such as ``lr_scheduler_type``) and the ranges no run can
+train with, so ``trainer.max_steps=abc`` fails at once with the key's name instead of a raw TypeError after the
+model, the data and the before-training report.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import types
+import typing
+from typing import Any, Union
+
+from fastdecode.config import ConfigError, _convert, _suggest
+
+log = logging.getLogger(__name__)
+
+AT_LEAST_ONE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+NOT_NEGATIVE = (
+    "learning_rate",
+    "weight_decay",
+    "warmup_steps",
+    "dataloader_num_workers",
+    "save_total_limit",
+    "label_smoothing_factor",
+    "eval_accumulation_steps",
+)
+POSITIVE = ("adam_epsilon", "logging_steps", "save_steps", "eval_steps")
+
+
+@functools.cache
+def _hints() -> dict[str, Any]:
+    from transformers import TrainingArguments
+
+    return typing.get_type_hints(TrainingArguments)
+
+
+def _typed(key: str, value: Any, hint: Any) -> Any:
+    """``value`` checked against ``hint``: enum members by their string values, everything else strictly."""
+    where = f"trainer.{key}"
+    args = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    if value is None and type(None) in args:
+        return None
+    enums = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
+    if enums and isinstance(value, str):  # e.g. SchedulerType | str: HF only accepts the enum's values
+        choices = [str(m.value) for e in enums for m in e]
+        if value not in choices:
+            raise ConfigError(
+                f"{where}: '{value}' is not one of {', '.join(choices)}.{_suggest(value, choices)}"
+            )
+        return value
+    plain = tuple(a for a in args if a is not type(None) and a not in enums)
+    if not plain or any(a is Any or not _checkable(a) for a in plain):
+        return value  # a type we cannot check from a config (objects): let TrainingArguments judge
+    _convert(value, Union[plain] if len(plain) > 1 else plain[0], where)  # noqa: UP007
+    return value  # as given: an int stays an int (HF treats warmup_steps=2 and 2.0 alike, but why risk it)
+
+
+def _checkable(tp: Any) -> bool:
+    base = typing.get_origin(tp) or tp
+    return base in (int, float, bool, str, list, tuple, dict) or base is typing.Literal
+
+
+def _check_ranges(values: dict[str, Any]) -> None:
+    """The ranges no run trains with; each error names the key and the allowed range."""
+    for key in AT_LEAST_ONE:
+        if key in values and values[key] < 1:
+            raise ConfigError(f"trainer.{key}={values[key]}: must be >= 1.")
+    for key in NOT_NEGATIVE:
+        if values.get(key) is not None and values[key] < 0:
+            raise ConfigError(f"trainer.{key}={values[key]}: must be >= 0.")
+    for key in POSITIVE:
+        if values.get(key) is not None and values[key] <= 0:
+            raise ConfigError(f"trainer.{key}={values[key]}: must be > 0.")
+    if values.get("max_steps", -1) <= 0 and values.get("num_train_epochs", 3.0) <= 0:
+        raise ConfigError(
+            f"trainer.max_steps={values.get('max_steps', -1)} means 'train for num_train_epochs', but "
+            f"trainer.num_train_epochs={values['num_train_epochs']}: set max_steps > 0 or num_train_epochs > 0."
+        )
+
+
+def check_trainer_values(trainer: dict[str, Any]) -> dict[str, Any]:
+    """Return the ``trainer`` group with every value checked against its TrainingArguments field; raise
+    ConfigError naming the first bad key. Keys must already be TrainingArguments fields."""
+    hints = _hints()
+    values = {key: _typed(key, value, hints.get(key, Any)) for key, value in trainer.items()}
+    _check_ranges(values)
+    max_steps = values.get("max_steps", -1)
+    if max_steps <= 0:  # Hugging Face reads this as "use epochs": say so, a typo like max_steps=0 is silent
+        log.info(
+            "trainer.max_steps=%s: Hugging Face reads max_steps <= 0 as 'train by epochs'; training "
+            "trainer.num_train_epochs=%s epochs",
+            max_steps,
+            values.get("num_train_epochs", 3.0),
+        )
+    return values
