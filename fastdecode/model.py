@@ -19,7 +19,8 @@ only while gradients are disabled, so training always runs the HF modules.
 
 Adding a model family: write a ``Family`` (which attributes hold the embedding, the layers, the final norm,
 whether positions are rotary or learned) and register it in ``FAMILIES`` under HF's ``config.model_type``;
-then add a tiny config to ``tests/test_model_adapter.py`` so the parity tests cover it.
+then add ``configs/model/tiny-<family>.yaml`` (a random-init config) and its name to ``TINY_MODELS`` in
+``tests/conftest.py``, so the parity and equality tests cover it (docs/ARCHITECTURE.md, "Where to add things").
 """
 
 from __future__ import annotations

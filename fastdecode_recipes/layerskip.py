@@ -17,9 +17,10 @@ from typing import Any
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
 from fastdecode.data.chat import build_datasets, user_prompt_ids
 from fastdecode.data.config import DataConfig
-from fastdecode.data.draft_vocab import DRAFT_VOCAB_FILE, draft_vocab_from_examples, save_draft_vocab
+from fastdecode.data.draft_vocab import draft_vocab_from_examples
 from fastdecode.decoding import DecodeConfig, get_decoder
 from fastdecode.distributed import world_size
+from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE, save_draft_vocab
 from fastdecode.exit_report import choose_exit, exit_report, head_cost_in_blocks, plot_reports
 from fastdecode.io import atomic_write_json
 from fastdecode.model import EarlyExitModel

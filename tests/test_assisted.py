@@ -16,7 +16,7 @@ from fastdecode.decoding import assisted as assisted_module
 from fastdecode.loading import load_model
 from fastdecode.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE
-from tests.test_decoding import _exact_joint, _lively, _pair_pvalues, _prompts, _tiny_vocab_model
+from tests.helpers import exact_joint, lively_model, pair_pvalues, random_prompts, tiny_vocab_model
 
 assisted = DECODERS["assisted"]
 autoregressive = DECODERS["autoregressive"]
@@ -27,7 +27,7 @@ self_speculative = DECODERS["self_speculative"]
 # Draft models: same vocabulary (261 byte tokens) as the tiny target, other depth, family or width
 def _target() -> EarlyExitModel:
     """The tiny Llama target: 4 layers whose upper layers write little, so shallow copies draft well."""
-    return _lively("tiny-llama", 0.1)
+    return lively_model("tiny-llama", 0.1)
 
 
 @functools.cache
@@ -72,7 +72,7 @@ def test_assisted_greedy_equals_autoregressive(kind, engine):
     different lengths), 2 alone. The ``copy`` drafter is the target's first two layers, so every round must
     go exactly as in self-speculation with E=2 (bar ``adaptive``, whose cost ratio differs)."""
     m, draft = _target(), _draft(kind)
-    prompts = _prompts(12, seed=11)
+    prompts = random_prompts(12, seed=11)
     base = DecodeConfig(max_new_tokens=20, draft_tokens=4, eos_token_id=m.config.eos_token_id)
     ref = autoregressive(m, prompts, replace(base, **REFERENCE)).tokens
     base = replace(base, **ENGINES[engine])
@@ -94,7 +94,7 @@ def test_assisted_greedy_equals_autoregressive(kind, engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_draft_equal_to_the_target_accepts_every_draft(engine):
     m = _target()
-    prompts = _prompts(3, seed=12)
+    prompts = random_prompts(3, seed=12)
     cfg = DecodeConfig(max_new_tokens=20, draft_tokens=5, **ENGINES[engine])
     out = assisted(m, prompts, cfg, draft=m)
     assert out.tokens == autoregressive(m, prompts, replace(cfg, **REFERENCE)).tokens
@@ -104,7 +104,7 @@ def test_draft_equal_to_the_target_accepts_every_draft(engine):
 
 def test_assisted_equals_hf_assisted_generation():
     m, draft = _target(), _draft("window")
-    prompt = _prompts(1, seed=13)[0]
+    prompt = random_prompts(1, seed=13)[0]
     cfg = DecodeConfig(max_new_tokens=24, draft_tokens=4)
     ids = torch.tensor([prompt])
     ref = m.hf.generate(
@@ -124,7 +124,7 @@ def test_drafter_cache_holds_exactly_the_accepted_tokens(monkeypatch):
     corrections and bonus tokens included), and the drafter's keys there equal a fresh drafter run over that
     text: the drafter never attends to a rejected draft and never misses an accepted token."""
     m, draft = _target(), _draft("copy")
-    prompts = _prompts(3, seed=14)
+    prompts = random_prompts(3, seed=14)
     states = []
     original = assisted_module.prefill
 
@@ -155,7 +155,7 @@ def test_drafter_cache_holds_exactly_the_accepted_tokens(monkeypatch):
 # Sampling is lossless
 @functools.cache
 def _tiny_vocab_draft() -> EarlyExitModel:
-    """An unrelated 1-layer drafter over the 8-token vocabulary of ``_tiny_vocab_model``."""
+    """An unrelated 1-layer drafter over the 8-token vocabulary of ``tiny_vocab_model``."""
     config = LlamaConfig(
         vocab_size=8,
         hidden_size=16,
@@ -179,7 +179,7 @@ def _tiny_vocab_draft() -> EarlyExitModel:
 def test_assisted_sampling_matches_the_target_distribution(processing, policy, engine):
     """4000 rows of one prompt, 4 new tokens: every adjacent pair's distribution matches the target's exact
     one (see tests/test_decoding.py), while the drafter alone is clearly rejected (the test has power)."""
-    m, draft = _tiny_vocab_model(), _tiny_vocab_draft()
+    m, draft = tiny_vocab_model(), _tiny_vocab_draft()
     prompt, samples = [3, 1, 4, 1, 5], 4000
     cfg = DecodeConfig(
         max_new_tokens=4,
@@ -190,12 +190,12 @@ def test_assisted_sampling_matches_the_target_distribution(processing, policy, e
         **processing,
         **ENGINES[engine],
     )
-    joint = _exact_joint(m, prompt, 4, cfg)
+    joint = exact_joint(m, prompt, 4, cfg)
     out = assisted(m, [prompt] * samples, cfg, draft=draft)
     assert 0.2 < out.acceptance_rate < 0.95  # both the accept and the residual paths were taken
-    assert min(_pair_pvalues(out.tokens, joint)) > 1e-3
+    assert min(pair_pvalues(out.tokens, joint)) > 1e-3
     drafter_only = autoregressive(draft, [prompt] * samples, cfg)
-    assert min(_pair_pvalues(drafter_only.tokens, joint)) < 1e-6
+    assert min(pair_pvalues(drafter_only.tokens, joint)) < 1e-6
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def test_bad_draft_raises():
     with pytest.raises(ConfigError, match="exit_layer=2 has no meaning here; set decoder.exit_layer=null"):
         assisted(m, [[5, 6]], replace(cfg, exit_layer=2), draft=_draft("copy"))
     with pytest.raises(ConfigError, match="30 tokens but the draft model's context.*is 32.*at most 28"):
-        assisted(_tiny_vocab_model(), [[1] * 30], DecodeConfig(max_new_tokens=4), draft=_tiny_vocab_draft())
+        assisted(tiny_vocab_model(), [[1] * 30], DecodeConfig(max_new_tokens=4), draft=_tiny_vocab_draft())
 
 
 def test_cost_ratio_counts_the_weights_read_per_token():

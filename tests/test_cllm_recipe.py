@@ -14,8 +14,8 @@ import fastdecode_recipes
 from cllm_train.records import MANIFEST, SCHEMA_VERSION, RecordError, tokenizer_fingerprint
 from fastdecode.config import CONFIG_DIR, ConfigError
 from fastdecode.tokenizer import byte_tokenizer
+from tests.helpers import free_port, write_chat_jsonl
 from tests.test_cllm_losses import synthetic_records
-from tests.test_layerskip_recipe import write_chat_jsonl
 
 TINY_ID = "random:tiny-llama:0"  # records.model_identity of configs/model/tiny-llama.yaml
 
@@ -256,8 +256,6 @@ def test_two_process_zero3_training_exports_a_loadable_checkpoint(tmp_path):
     import subprocess
     import sys
 
-    from tests.test_distributed import _free_port
-
     write_trajectories(tmp_path / "traj", synthetic_records(8))
     args = [
         "train.py",
@@ -279,7 +277,7 @@ def test_two_process_zero3_training_exports_a_loadable_checkpoint(tmp_path):
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
-        [*launch, str(_free_port()), *args], cwd=root, env=env, capture_output=True, text=True, timeout=600
+        [*launch, str(free_port()), *args], cwd=root, env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

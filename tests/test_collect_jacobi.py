@@ -20,8 +20,7 @@ from fastdecode.decoding import DECODERS, DecodeConfig
 from fastdecode.loading import load_model
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokenizer import byte_tokenizer
-from tests.test_distributed import _free_port
-from tests.test_layerskip_recipe import write_chat_jsonl
+from tests.helpers import free_port, write_chat_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 LIVELY = "+model.random_init.initializer_range=0.2"  # the default init (0.02) just repeats one token
@@ -161,7 +160,7 @@ def test_two_processes_split_the_prompts(tmp_path):
     run(_cfg(single))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = launcher + [str(_free_port()), "collect_jacobi.py", *_overrides(tmp_path)]
+    cmd = launcher + [str(free_port()), "collect_jacobi.py", *_overrides(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     manifest = read_manifest(tmp_path / "out")

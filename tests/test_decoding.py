@@ -3,15 +3,11 @@ samples from the target's distribution; each token passes each layer once; bad i
 
 from __future__ import annotations
 
-import copy
-import functools
 import itertools
-import math
 from dataclasses import replace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastdecode.config import ConfigError
 from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig, get_decoder
@@ -19,41 +15,15 @@ from fastdecode.decoding.common import configure_engine, probabilities
 from fastdecode.decoding.policies import Adaptive, Confidence, Constant, DraftPolicy, Heuristic
 from fastdecode.decoding.speculative import Draft, Verdict, accept
 from fastdecode.model import EarlyExitModel
-from tests.conftest import ENGINES, REFERENCE, TINY_MODELS, _tiny
+from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
+from tests.helpers import exact_joint, lively_model, pair_pvalues, random_prompts, tiny_vocab_model
 
 autoregressive = DECODERS["autoregressive"]
 self_speculative = DECODERS["self_speculative"]
-RESIDUAL_WRITERS = ("o_proj", "down_proj", "out_proj", "fc2")  # modules that write into the residual stream
 
 
 # --------------------------------------------------------------------------------------------------------
 # Test models: copies of the shared tiny models (those are never mutated)
-@functools.cache
-def _lively(name: str, upper_scale: float = 1.0, zero_from: int | None = None) -> EarlyExitModel:
-    """A copy of a tiny model with larger random weights (std 0.2): the shared ones just repeat a token.
-
-    ``upper_scale`` shrinks what layers >= 1 write into the residual stream, so early exits agree with the
-    final output often (acceptance ~0.5-0.8); ``zero_from=E`` zeroes it for layers >= E (exit E == output).
-    """
-    model = copy.deepcopy(_tiny(name)[0])
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
-        for index, layer in enumerate(EarlyExitModel(model).layers):
-            for pname, param in layer.named_parameters():
-                if pname.split(".")[-2] in RESIDUAL_WRITERS:
-                    param.mul_(upper_scale if index >= 1 else 1.0)
-                    if zero_from is not None and index >= zero_from:
-                        param.zero_()
-    return EarlyExitModel(model)
-
-
-def _prompts(count: int, seed: int, vocab: int = 261, longest: int = 14) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, longest + 1, (count,), generator=gen).tolist()
-    return [torch.randint(5, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -61,8 +31,8 @@ def _prompts(count: int, seed: int, vocab: int = 261, longest: int = 14) -> list
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_autoregressive_greedy_equals_hf_generate(name, engine):
-    m = _lively(name)
-    for prompt in _prompts(3, seed=1):
+    m = lively_model(name)
+    for prompt in random_prompts(3, seed=1):
         cfg = DecodeConfig(max_new_tokens=16, eos_token_id=m.config.eos_token_id, **ENGINES[engine])
         ours = autoregressive(m, [prompt], cfg).tokens[0]
         ids = torch.tensor([prompt])
@@ -81,8 +51,11 @@ def test_autoregressive_greedy_equals_hf_generate(name, engine):
 @pytest.mark.parametrize("name", TINY_MODELS)
 @pytest.mark.parametrize("exit_layer", [None, 2])
 def test_autoregressive_batch_equals_rows_alone(name, exit_layer, engine):
-    m = _lively(name)
-    prompts = [_prompts(1, seed=2, longest=3)[0], *_prompts(2, seed=3, longest=14)]  # different lengths
+    m = lively_model(name)
+    prompts = [
+        random_prompts(1, seed=2, longest=3)[0],
+        *random_prompts(2, seed=3, longest=14),
+    ]  # different lengths
     cfg = DecodeConfig(max_new_tokens=20, exit_layer=exit_layer, **ENGINES[engine])
     batch = autoregressive(m, prompts, cfg)
     assert batch.tokens == [autoregressive(m, [p], cfg).tokens[0] for p in prompts]
@@ -92,8 +65,8 @@ def test_autoregressive_batch_equals_rows_alone(name, exit_layer, engine):
 
 
 def test_pure_early_exit_differs_from_full_depth():
-    m = _lively("tiny-llama")
-    prompts = _prompts(3, seed=4)
+    m = lively_model("tiny-llama")
+    prompts = random_prompts(3, seed=4)
     full = autoregressive(m, prompts, DecodeConfig(max_new_tokens=12)).tokens
     assert autoregressive(m, prompts, DecodeConfig(max_new_tokens=12, exit_layer=1)).tokens != full
 
@@ -107,8 +80,8 @@ def test_self_speculative_greedy_equals_autoregressive(name, upper_scale, engine
     """Every E, every policy; 12 random prompts batched (ragged acceptance, holes), 3 batched, 2 alone.
     Sliding-window families (mistral, qwen2) check that windows count positions across holes. On every
     execution path, against autoregressive decoding on the reference path."""
-    m = _lively(name, upper_scale)
-    prompts = _prompts(12, seed=TINY_MODELS.index(name))
+    m = lively_model(name, upper_scale)
+    prompts = random_prompts(12, seed=TINY_MODELS.index(name))
     base = DecodeConfig(max_new_tokens=20, draft_tokens=4, eos_token_id=m.config.eos_token_id)
     ref = autoregressive(m, prompts, replace(base, **REFERENCE)).tokens
     base = replace(base, **ENGINES[engine])
@@ -129,8 +102,8 @@ def test_self_speculative_greedy_equals_autoregressive(name, upper_scale, engine
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_zeroed_upper_layers_accept_every_draft(engine):
-    m = _lively("tiny-llama", zero_from=2)
-    prompts = _prompts(3, seed=5)
+    m = lively_model("tiny-llama", zero_from=2)
+    prompts = random_prompts(3, seed=5)
     cfg = DecodeConfig(max_new_tokens=20, exit_layer=2, draft_tokens=5, **ENGINES[engine])
     out = self_speculative(m, prompts, cfg)
     assert out.tokens == autoregressive(m, prompts, DecodeConfig(max_new_tokens=20, **REFERENCE)).tokens
@@ -144,8 +117,8 @@ def test_zeroed_upper_layers_accept_every_draft(engine):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_eos_stops_each_row_once(engine):
-    m = _lively("tiny-llama", 0.1)
-    prompts = _prompts(3, seed=6)
+    m = lively_model("tiny-llama", 0.1)
+    prompts = random_prompts(3, seed=6)
     free = autoregressive(m, prompts, DecodeConfig(max_new_tokens=20, **REFERENCE)).tokens
     eos = free[0][5]
     cfg = DecodeConfig(max_new_tokens=20, eos_token_id=[eos, 999], **ENGINES[engine])
@@ -160,8 +133,8 @@ def test_eos_stops_each_row_once(engine):
 def test_confidence_policy_stops_right_after_the_unconfident_token():
     """Threshold 1: every draft token is unconfident, so every draft has exactly one token (the lagged host
     flag must not let an extra token in); threshold 0: never stop, drafts are K long."""
-    m = _lively("tiny-llama", 0.1)
-    prompt = _prompts(1, seed=7)
+    m = lively_model("tiny-llama", 0.1)
+    prompt = random_prompts(1, seed=7)
     one = self_speculative(
         m,
         prompt,
@@ -244,8 +217,8 @@ def _count_layer_tokens(m: EarlyExitModel, layers):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_each_token_passes_each_layer_once_and_hf_runs_early_layers_more(engine):
-    m = _lively("tiny-llama", 0.1)
-    exit_layer, prompt = 2, _prompts(1, seed=8, longest=10)[0]
+    m = lively_model("tiny-llama", 0.1)
+    exit_layer, prompt = 2, random_prompts(1, seed=8, longest=10)[0]
     cfg = DecodeConfig(max_new_tokens=24, exit_layer=exit_layer, draft_tokens=4, **ENGINES[engine])
     configure_engine(m, cfg)  # count the layers this path runs (the engine's, or the HF modules)
     counts, handles = _count_layer_tokens(m, m.engine.layers if m.engine is not None else m.layers)
@@ -281,8 +254,8 @@ def test_each_token_passes_each_layer_once_and_hf_runs_early_layers_more(engine)
 @pytest.mark.parametrize("engine", ["hf", "static"])
 def test_cache_after_self_speculation_is_the_full_model_cache(engine):
     """After decoding, the valid slots of a row are exactly its prompt and fed tokens (holes masked)."""
-    m = _lively("tiny-llama", 0.1)
-    prompts = _prompts(3, seed=9)
+    m = lively_model("tiny-llama", 0.1)
+    prompts = random_prompts(3, seed=9)
     from fastdecode.decoding import self_speculative as module
 
     captured = {}
@@ -305,67 +278,6 @@ def test_cache_after_self_speculation_is_the_full_model_cache(engine):
 
 # --------------------------------------------------------------------------------------------------------
 # Speculative sampling is lossless
-@functools.cache
-def _tiny_vocab_model() -> EarlyExitModel:
-    config = LlamaConfig(
-        vocab_size=8,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        initializer_range=0.15,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return EarlyExitModel(LlamaForCausalLM(config).eval())
-
-
-def _exact_joint(m: EarlyExitModel, prompt: list[int], n: int, cfg: DecodeConfig) -> torch.Tensor:
-    """P(t1..tn | prompt) of the target after cfg's logits processing: ``[V] * n``."""
-    vocab = m.vocab_size
-    prefixes = torch.tensor(list(itertools.product(range(vocab), repeat=n - 1)))  # [V^(n-1), n-1]
-    ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], 1)
-    with torch.no_grad():
-        probs = probabilities(m.hf(ids).logits[:, len(prompt) - 1 :], cfg)  # [V^(n-1), n, V]
-    joint = torch.ones(len(prefixes))
-    for i in range(n - 1):
-        joint = joint * probs[torch.arange(len(prefixes)), i, prefixes[:, i]]
-    return (joint[:, None] * probs[:, -1]).reshape([vocab] * n)
-
-
-def _chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
-    """Pearson chi-square p-value; cells expected < 5 are pooled; a sample in an impossible cell gives 0."""
-    observed, expected = observed.flatten().double(), expected.flatten().double()
-    if observed[expected == 0].sum() > 0:
-        return 0.0
-    small = expected < 5
-    obs = torch.cat([observed[~small], observed[small].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    stat, dof = float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
-    try:
-        from scipy.stats import chi2
-
-        return float(chi2.sf(stat, dof))
-    except ImportError:  # Wilson-Hilferty: (X/k)^(1/3) is close to normal
-        z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-        return 0.5 * math.erfc(z / math.sqrt(2))
-
-
-def _pair_pvalues(tokens: list[list[int]], joint: torch.Tensor) -> list[float]:
-    samples = torch.tensor(tokens)  # [N, n]
-    n, vocab = samples.shape[1], joint.shape[0]
-    pvalues = []
-    for i in range(n - 1):
-        keep = [d for d in range(n) if d not in (i, i + 1)]
-        expected = joint.sum(keep) * len(samples) if keep else joint * len(samples)
-        observed = torch.zeros(vocab, vocab).index_put_(
-            (samples[:, i], samples[:, i + 1]), torch.ones(len(samples)), accumulate=True
-        )
-        pvalues.append(_chi2_pvalue(observed, expected))
-    return pvalues
 
 
 @pytest.mark.parametrize("engine", ["hf", "packed", "static"])
@@ -378,7 +290,7 @@ def _pair_pvalues(tokens: list[list[int]], joint: torch.Tensor) -> list[float]:
 def test_speculative_sampling_matches_the_target_distribution(processing, policy, engine):
     """4000 rows of one prompt, 4 new tokens (t1 from the prefill, t2-t3 drafted and verified, t4 a bonus or
     a correction): every adjacent pair's distribution matches the target's exactly computed one."""
-    m = _tiny_vocab_model()
+    m = tiny_vocab_model()
     prompt, samples = [3, 1, 4, 1, 5], 4000
     cfg = DecodeConfig(
         max_new_tokens=4,
@@ -390,15 +302,15 @@ def test_speculative_sampling_matches_the_target_distribution(processing, policy
         **processing,
         **ENGINES[engine],
     )
-    joint = _exact_joint(m, prompt, 4, cfg)
+    joint = exact_joint(m, prompt, 4, cfg)
     out = self_speculative(m, [prompt] * samples, cfg)
     assert 0.2 < out.acceptance_rate < 0.95  # both the accept and the residual paths were taken
-    assert min(_pair_pvalues(out.tokens, joint)) > 1e-3
+    assert min(pair_pvalues(out.tokens, joint)) > 1e-3
     target_only = autoregressive(m, [prompt] * samples, replace(cfg, exit_layer=None))
-    assert min(_pair_pvalues(target_only.tokens, joint)) > 1e-3
+    assert min(pair_pvalues(target_only.tokens, joint)) > 1e-3
     # The test has power: sampling from the drafter alone (pure early exit) is clearly rejected.
     lossy = autoregressive(m, [prompt] * samples, cfg)
-    assert min(_pair_pvalues(lossy.tokens, joint)) < 1e-6
+    assert min(pair_pvalues(lossy.tokens, joint)) < 1e-6
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -419,7 +331,7 @@ def test_bad_config_raises(overrides, match):
 
 
 def test_bad_input_against_the_model_raises():
-    m = _lively("tiny-llama")
+    m = lively_model("tiny-llama")
     with pytest.raises(ConfigError, match="exit_layer=4 but the model has 4 layers.*<= 3"):
         self_speculative(m, [[5, 6]], DecodeConfig(max_new_tokens=4, exit_layer=4))
     with pytest.raises(ConfigError, match="exit_layer=9"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,20 +18,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.test_layerskip_recipe import write_chat_jsonl
+from tests.helpers import free_port, write_chat_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launcher(kind: str) -> list[str]:
-    port = str(_free_port())
+    port = str(free_port())
     if kind == "ddp":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
     if shutil.which("deepspeed") is None:

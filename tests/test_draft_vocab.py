@@ -12,14 +12,15 @@ import torch
 
 from fastdecode.config import ConfigError, load_group
 from fastdecode.data.config import DataConfig
-from fastdecode.data.draft_vocab import build_draft_vocab, draft_vocab_from_data, save_draft_vocab
+from fastdecode.data.draft_vocab import build_draft_vocab, draft_vocab_from_data
 from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig
-from fastdecode.decoding.draft_vocab import draft_vocab_ids, load_draft_vocab
+from fastdecode.decoding.draft_vocab import draft_vocab_ids
+from fastdecode.draft_vocab_file import load_draft_vocab, save_draft_vocab
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokenizer import byte_tokenizer
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS, _tiny
+from tests.helpers import exact_joint, pair_pvalues, random_prompts, tiny_vocab_model
 from tests.test_assisted import _draft, _target, _tiny_vocab_draft
-from tests.test_decoding import _exact_joint, _pair_pvalues, _prompts, _tiny_vocab_model
 
 autoregressive = DECODERS["autoregressive"]
 SPECULATIVE = {
@@ -106,7 +107,7 @@ def test_greedy_with_a_draft_vocab_equals_autoregressive(decoder, tmp_path, engi
     """A subset of the frequent tokens: identical output, every policy. A subset without any token the
     target emits: identical output, and no draft is ever accepted (drafts come from the subset only)."""
     m, run = _target(), SPECULATIVE[decoder]
-    prompts = _prompts(6, seed=21)
+    prompts = random_prompts(6, seed=21)
     base = DecodeConfig(max_new_tokens=16, draft_tokens=4, **ENGINES[engine])
     ref = autoregressive(m, prompts, replace(base, **REFERENCE))
     frequent = _vocab_file(tmp_path, build_draft_vocab(ref.tokens, 60, always=[4]), "frequent.json")
@@ -125,7 +126,7 @@ def test_a_draft_vocab_of_every_token_reproduces_the_drafts(decoder, tmp_path):
     """Greedy: a shuffled full vocabulary drafts exactly the same tokens (every policy); sampling: the full
     vocabulary in id order gives the same distribution, so the same seed draws the same tokens."""
     m, run = _target(), SPECULATIVE[decoder]
-    prompts = _prompts(4, seed=22)
+    prompts = random_prompts(4, seed=22)
     shuffled = _vocab_file(
         tmp_path, torch.randperm(261, generator=torch.Generator().manual_seed(0)), "s.json"
     )
@@ -147,7 +148,7 @@ def test_a_draft_vocab_of_every_token_reproduces_the_drafts(decoder, tmp_path):
 def test_sampling_with_a_draft_vocab_matches_the_target_distribution(decoder, tmp_path, engine):
     """As in tests/test_decoding.py, with a drafter restricted to 4 of the 8 tokens: the draft distribution
     q is zero outside the subset, and the output still follows the target exactly."""
-    m = _tiny_vocab_model()
+    m = tiny_vocab_model()
     prompt, samples = [3, 1, 4, 1, 5], 4000
     cfg = DecodeConfig(
         max_new_tokens=4,
@@ -157,10 +158,10 @@ def test_sampling_with_a_draft_vocab_matches_the_target_distribution(decoder, tm
         draft_vocab=_vocab_file(tmp_path, [6, 0, 2, 5], vocab_size=8),
         **ENGINES[engine],
     )
-    joint = _exact_joint(m, prompt, 4, cfg)
+    joint = exact_joint(m, prompt, 4, cfg)
     if decoder == "assisted":
         out = DECODERS["assisted"](m, [prompt] * samples, cfg, draft=_tiny_vocab_draft())
     else:
         out = DECODERS["self_speculative"](m, [prompt] * samples, replace(cfg, exit_layer=1))
     assert 0.1 < out.acceptance_rate < 0.95  # both the accept and the residual paths were taken
-    assert min(_pair_pvalues(out.tokens, joint)) > 1e-3
+    assert min(pair_pvalues(out.tokens, joint)) > 1e-3

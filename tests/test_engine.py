@@ -20,7 +20,7 @@ from fastdecode.engine import EngineOptions, RotaryLayer, default_options
 from fastdecode.fast_linear import FastLinear, available_kernels, calibrate, uniform_plan
 from fastdecode.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS, _tiny
-from tests.test_decoding import _lively, _prompts
+from tests.helpers import lively_model, random_prompts
 
 KERNELS = available_kernels(torch.device("cpu"), torch.float32)
 ENGINE_OPTIONS = {
@@ -92,7 +92,7 @@ def test_fused_projection_is_the_side_by_side_outputs():
 # --------------------------------------------------------------------------------------------------------
 # Engine layers against HF's layers
 def _fresh(name: str) -> EarlyExitModel:
-    return EarlyExitModel(_lively(name).hf)  # a new adapter (own engines) over the shared lively weights
+    return EarlyExitModel(lively_model(name).hf)  # a new adapter (own engines) over the shared lively weights
 
 
 @pytest.mark.parametrize("variant", ENGINE_OPTIONS)
@@ -101,7 +101,7 @@ def test_engine_forward_and_cached_decoding_equal_the_hf_layers(name, variant):
     """Full forward (no cache), and token-by-token + block decoding on the cache the engine asks for, equal
     the HF modules' logits within fp32 rounding; the lean path serves exactly the rotary families."""
     m = _fresh(name)
-    ids = torch.tensor([_prompts(1, seed=3, longest=12)[0] + [7, 8, 9]])
+    ids = torch.tensor([random_prompts(1, seed=3, longest=12)[0] + [7, 8, 9]])
     with torch.inference_mode():
         m.use_engine(None)
         ref = m.forward(ids)
@@ -149,7 +149,7 @@ def test_fallback_layers_are_inference_copies_sharing_the_parameters():
 # --------------------------------------------------------------------------------------------------------
 # Packed copies follow in-place changes; training never sees them
 def test_engine_is_rebuilt_after_an_in_place_weight_change():
-    m = EarlyExitModel(_lively("tiny-llama").hf.__class__(_lively("tiny-llama").hf.config).eval())
+    m = EarlyExitModel(lively_model("tiny-llama").hf.__class__(lively_model("tiny-llama").hf.config).eval())
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.inference_mode():
         m.use_engine(EngineOptions(kernel="mkl"))
@@ -240,8 +240,8 @@ def test_engine_config_errors_and_defaults():
 @pytest.mark.slow
 @pytest.mark.parametrize("decoder", ["autoregressive", "self_speculative"])
 def test_compiled_decoding_equals_the_reference(decoder):
-    m = _lively("tiny-llama", 0.1)
-    prompts = _prompts(3, seed=31, longest=40)  # prompts of > 32 tokens prefill eagerly
+    m = lively_model("tiny-llama", 0.1)
+    prompts = random_prompts(3, seed=31, longest=40)  # prompts of > 32 tokens prefill eagerly
     cfg = DecodeConfig(max_new_tokens=12, exit_layer=2, draft_tokens=3, **REFERENCE)
     if decoder == "autoregressive":
         cfg = replace(cfg, exit_layer=None)

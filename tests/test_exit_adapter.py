@@ -37,7 +37,7 @@ from fastdecode.exit_adapter import (
 from fastdecode.model import EarlyExitModel
 from fastdecode.tensor_shards import ShardHeaderError, ShardReader, ShardWriter
 from tests.conftest import TINY_MODELS, _tiny
-from tests.test_decoding import _exact_joint, _lively, _pair_pvalues, _prompts, _tiny_vocab_model
+from tests.helpers import exact_joint, lively_model, pair_pvalues, random_prompts, tiny_vocab_model
 
 ROOT = Path(__file__).resolve().parents[1]
 autoregressive = DECODERS["autoregressive"]
@@ -73,8 +73,8 @@ def tiny_llama_adapter(tmp_path: Path, exit_layer: int, kind: str = "block") -> 
 def test_greedy_through_an_adapter_equals_autoregressive(name, kind, tmp_path):
     """Every E in [1, L-1], every policy, batch 3 (ragged acceptance, holes) and batch 1; sliding-window
     families check the adapter's own cache layer across holes."""
-    m = _lively(name, 0.1)
-    prompts = _prompts(3, seed=TINY_MODELS.index(name) + 20)
+    m = lively_model(name, 0.1)
+    prompts = random_prompts(3, seed=TINY_MODELS.index(name) + 20)
     base = DecodeConfig(max_new_tokens=20, draft_tokens=4, eos_token_id=m.config.eos_token_id)
     ref = autoregressive(m, prompts, base).tokens
     rates = []
@@ -91,8 +91,8 @@ def test_greedy_through_an_adapter_equals_autoregressive(name, kind, tmp_path):
 
 
 def test_greedy_through_an_adapter_with_a_draft_vocabulary_and_many_rows(tmp_path):
-    m = _lively("tiny-mistral", 0.1)
-    prompts = _prompts(8, seed=31)
+    m = lively_model("tiny-mistral", 0.1)
+    prompts = random_prompts(8, seed=31)
     vocab = torch.arange(3, 200)  # EOS (4) inside; tokens >= 200 are never drafted
     path = _saved(tmp_path, m, _perturbed(m, 2, "block"), "E2", vocab=vocab)
     base = DecodeConfig(max_new_tokens=24, eos_token_id=m.config.eos_token_id)
@@ -103,7 +103,7 @@ def test_greedy_through_an_adapter_with_a_draft_vocabulary_and_many_rows(tmp_pat
 
 
 def test_the_adapter_cache_layer_is_filled_and_rolled_back_with_the_rest(tmp_path):
-    m = _lively("tiny-llama", 0.1)
+    m = lively_model("tiny-llama", 0.1)
     path = _saved(tmp_path, m, _perturbed(m, 2, "attention"), "E2")
     from fastdecode.decoding import self_speculative as module
 
@@ -115,7 +115,7 @@ def test_the_adapter_cache_layer_is_filled_and_rolled_back_with_the_rest(tmp_pat
 
     module.prefill = spy
     try:
-        self_speculative(m, _prompts(3, seed=9), DecodeConfig(max_new_tokens=15, adapter=path))
+        self_speculative(m, random_prompts(3, seed=9), DecodeConfig(max_new_tokens=15, adapter=path))
     finally:
         module.prefill = original
     cache = captured["state"].cache
@@ -129,20 +129,20 @@ def test_the_adapter_cache_layer_is_filled_and_rolled_back_with_the_rest(tmp_pat
 def test_sampling_through_an_adapter_matches_the_target_distribution(policy, tmp_path):
     """As ``test_speculative_sampling_matches_the_target_distribution``: 4000 rows, every adjacent pair of the
     4 new tokens matches the target's exactly computed joint distribution."""
-    m = _tiny_vocab_model()
+    m = tiny_vocab_model()
     path = _saved(tmp_path, m, _perturbed(m, 1, "block", std=0.1), "E1")
     prompt, samples = [3, 1, 4, 1, 5], 4000
     cfg = DecodeConfig(max_new_tokens=4, temperature=1.0, draft_tokens=3, seed=1, policy=policy, adapter=path)
-    joint = _exact_joint(m, prompt, 4, cfg)
+    joint = exact_joint(m, prompt, 4, cfg)
     out = self_speculative(m, [prompt] * samples, cfg)
     assert 0.2 < out.acceptance_rate < 0.95
-    assert min(_pair_pvalues(out.tokens, joint)) > 1e-3
+    assert min(pair_pvalues(out.tokens, joint)) > 1e-3
 
 
 # --------------------------------------------------------------------------------------------------------
 # Save / load
 def test_a_saved_and_loaded_adapter_gives_identical_drafts(tmp_path):
-    m = _lively("tiny-qwen2", 0.1)
+    m = lively_model("tiny-qwen2", 0.1)
     adapter = _perturbed(m, 2, "block", seed=3).eval()
     first = _saved(tmp_path, m, adapter, "a")
     loaded, meta, ids = load_adapter(first, m)
@@ -153,7 +153,7 @@ def test_a_saved_and_loaded_adapter_gives_identical_drafts(tmp_path):
     with torch.no_grad():
         assert torch.equal(adapter(m, hidden, positions), loaded(m, hidden, positions))
     second = _saved(tmp_path, m, loaded, "b")
-    prompts = _prompts(3, seed=4)
+    prompts = random_prompts(3, seed=4)
     cfg = DecodeConfig(max_new_tokens=16, draft_tokens=3)
     a = self_speculative(m, prompts, replace(cfg, adapter=first))
     b = self_speculative(m, prompts, replace(cfg, adapter=second))
@@ -301,7 +301,7 @@ def test_a_crash_between_shard_and_manifest_commits_nothing_twice(tmp_path, monk
 # --------------------------------------------------------------------------------------------------------
 # Named errors before any work
 def test_exit_layer_outside_the_model_is_refused():
-    m = _lively("tiny-llama")
+    m = lively_model("tiny-llama")
     for bad in (0, m.num_layers, -1):
         with pytest.raises(ExitLayerError, match=r"in \[1, 3\]"):
             build_adapter(m, bad)
@@ -313,7 +313,7 @@ def test_exit_layer_outside_the_model_is_refused():
 
 
 def test_decoding_refuses_another_exit_and_another_model(tmp_path):
-    m = _lively("tiny-llama", 0.1)
+    m = lively_model("tiny-llama", 0.1)
     path = _saved(tmp_path, m, _perturbed(m, 2, "block"), "E2")
     with pytest.raises(ExitLayerError, match="exit_layer=3 but the adapter.*E=2"):
         self_speculative(m, [[5, 6]], DecodeConfig(max_new_tokens=4, adapter=path, exit_layer=3))
@@ -347,7 +347,7 @@ def test_decoding_refuses_another_exit_and_another_model(tmp_path):
 
 
 def test_a_draft_vocabulary_that_does_not_match_is_refused(tmp_path):
-    m = _lively("tiny-llama", 0.1)
+    m = lively_model("tiny-llama", 0.1)
     trained = _saved(tmp_path, m, _perturbed(m, 2, "block"), "vocab", vocab=torch.arange(3, 100))
     full = _saved(tmp_path, m, _perturbed(m, 2, "block"), "full")
     other = save_draft_vocab(tmp_path / "other.json", torch.arange(3, 50), vocab_size=m.vocab_size)
@@ -372,7 +372,7 @@ def test_a_feature_cache_of_another_model_tokenizer_or_setting_is_refused(tmp_pa
     reader = build_features(m, tokenizer, _examples(4), tmp_path, fcfg, [1, 2], "synthetic")
     assert len(reader) == 4 and len(FeatureDataset(reader, [2], "topk")) == 4
     assert len(build_features(m, tokenizer, _examples(4), tmp_path, fcfg, [2], "synthetic")) == 4  # reused
-    other = _lively("tiny-llama")
+    other = lively_model("tiny-llama")
     with pytest.raises(AdapterMismatchError, match="feature cache.*fingerprint"):
         build_features(other, tokenizer, _examples(4), tmp_path, fcfg, [1, 2], "synthetic")
 
@@ -420,9 +420,9 @@ def test_the_speed_benchmark_runs_self_speculation_through_an_adapter(tmp_path):
 def test_the_exit_report_compares_raw_exits_with_adapters(tmp_path):
     from fastdecode.exit_report import adapter_generation_report
 
-    m = _lively("tiny-llama", 0.1)
+    m = lively_model("tiny-llama", 0.1)
     adapters = {e: _perturbed(m, e, "block", seed=e, std=0.02).eval() for e in (1, 3)}
-    generations = [(p + [7, 8, 9, 10, 11], len(p)) for p in _prompts(3, seed=5)]
+    generations = [(p + [7, 8, 9, 10, 11], len(p)) for p in random_prompts(3, seed=5)]
     report = adapter_generation_report(m, adapters, generations, torch.arange(0, 200))
     assert set(report["raw"]) == set(report["adapter"]) == {1, 3} and report["tokens"] == 15
     assert all(0 <= v <= 1 for v in [*report["raw"].values(), *report["adapter"].values()])

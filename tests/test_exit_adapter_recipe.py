@@ -16,7 +16,7 @@ from fastdecode.exit_adapter import DraftVocabMismatchError, ExitLayerError, rea
 from fastdecode.identity import weights_fingerprint
 from fastdecode.model import EarlyExitModel
 from tests.conftest import _tiny
-from tests.test_layerskip_recipe import write_chat_jsonl
+from tests.helpers import write_chat_jsonl
 
 
 def adapter_cfg(tmp_path: Path, *extra: str):

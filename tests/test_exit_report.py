@@ -17,7 +17,7 @@ from fastdecode.exit_report import (
     score_sequence,
 )
 from fastdecode.model import EarlyExitModel
-from tests.test_layerskip_recipe import write_chat_jsonl
+from tests.helpers import write_chat_jsonl
 
 
 def test_final_exit_agrees_with_itself_and_scores_only_masked_positions(tiny_llama):

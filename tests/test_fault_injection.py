@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_layerskip_recipe import write_chat_jsonl
+from tests.helpers import write_chat_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_STEPS = 6

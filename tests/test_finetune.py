@@ -15,7 +15,7 @@ from fastdecode.loading import load_model
 from fastdecode_recipes.common import TrainJob, load_job
 from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
 from fastdecode_recipes.sft import SFT
-from tests.test_layerskip_recipe import write_chat_jsonl
+from tests.helpers import write_chat_jsonl
 
 
 def _job(tmp_path: Path, *extra: str) -> tuple[TrainJob, object]:
@@ -50,7 +50,9 @@ class Recording(Recipe):
 
     def validate(self, config) -> None:
         self.calls.append("validate")
-        assert config.num_hidden_layers == 4 and not hasattr(config, "peft_config")  # the HF config, no weights
+        assert config.num_hidden_layers == 4 and not hasattr(
+            config, "peft_config"
+        )  # the HF config, no weights
 
     def datasets(self, tokenizer):
         self.calls.append("datasets")

@@ -25,7 +25,7 @@ from fastdecode.jacobi import (
 )
 from fastdecode.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS, _tiny
-from tests.test_decoding import _lively, _prompts
+from tests.helpers import lively_model, random_prompts
 
 autoregressive, jacobi = DECODERS["autoregressive"], DECODERS["jacobi"]
 
@@ -44,7 +44,7 @@ def _sticky(name: str) -> EarlyExitModel:
 
 
 def _models(name: str) -> list[EarlyExitModel]:
-    return [_sticky(name), _lively(name)]
+    return [_sticky(name), lively_model(name)]
 
 
 def _solve(m: EarlyExitModel, prompts: list[list[int]], n: int, init: str, keys: list[str] | None = None):
@@ -64,7 +64,7 @@ def _solve(m: EarlyExitModel, prompts: list[list[int]], n: int, init: str, keys:
 def test_fixed_point_is_the_greedy_continuation_and_states_follow_the_reference(name, init):
     n = 6
     for m in _models(name):
-        prompts = _prompts(4, seed=11)
+        prompts = random_prompts(4, seed=11)
         guesses, blocks = _solve(m, prompts, n, init)
         ar = autoregressive(m, prompts, DecodeConfig(max_new_tokens=n + 1)).tokens
         for row, (prompt, guess, block, greedy) in enumerate(zip(prompts, guesses, blocks, ar, strict=True)):
@@ -81,7 +81,7 @@ def test_fixed_point_is_the_greedy_continuation_and_states_follow_the_reference(
 
 def test_ragged_progress_leaves_holes_and_rows_match_alone():
     m, n = _sticky("tiny-llama"), 8
-    prompts = _prompts(5, seed=2)
+    prompts = random_prompts(5, seed=2)
     _, blocks = _solve(m, prompts, n, "prompt")
     committed = [tuple(b.committed) for b in blocks]
     assert len(set(committed)) > 1 and max(max(c) for c in committed) > 1  # rows really progress raggedly
@@ -92,8 +92,8 @@ def test_ragged_progress_leaves_holes_and_rows_match_alone():
 
 def test_solver_keeps_exactly_the_block_in_the_cache():
     """After a block converges the cache holds prefix + fixed point: a second block continues the greedy run."""
-    m, n = _lively("tiny-llama"), 5
-    prompts = _prompts(3, seed=4)
+    m, n = lively_model("tiny-llama"), 5
+    prompts = random_prompts(3, seed=4)
     state = prefill(m, prompts, 64)
     solver = JacobiSolver(m, state.cache, state.positions, n)
     firsts = state.logits.argmax(-1).tolist()
@@ -118,7 +118,7 @@ def test_jacobi_decoder_equals_autoregressive(name, batch, engine):
         for seed, (init, eos) in enumerate(
             [("repeat", None), ("prompt", 92), ("vocab", m.config.eos_token_id)]
         ):
-            prompts = _prompts(batch, seed=20 + seed)
+            prompts = random_prompts(batch, seed=20 + seed)
             cfg = DecodeConfig(max_new_tokens=23, jacobi=JacobiOptions(block=5, init=init), eos_token_id=eos)
             ar = autoregressive(m, prompts, replace(cfg, **REFERENCE))
             cfg = replace(cfg, **ENGINES[engine])
@@ -132,7 +132,7 @@ def test_jacobi_decoder_equals_autoregressive(name, batch, engine):
 @pytest.mark.parametrize("n", [2, 7, 16])
 def test_jacobi_decoder_equals_autoregressive_on_many_prompts(n):
     for m in _models("tiny-llama"):
-        prompts = _prompts(12, seed=n)
+        prompts = random_prompts(12, seed=n)
         cfg = DecodeConfig(max_new_tokens=19, jacobi=JacobiOptions(block=n, init="prompt"), seed=n)
         expected = autoregressive(m, prompts, cfg).tokens
         assert [t for i in range(0, 12, 3) for t in jacobi(m, prompts[i : i + 3], cfg).tokens] == expected
@@ -140,7 +140,7 @@ def test_jacobi_decoder_equals_autoregressive_on_many_prompts(n):
 
 def test_jacobi_decoder_stops_at_eos_inside_a_block():
     m = _sticky("tiny-llama")
-    prompts = _prompts(3, seed=5)
+    prompts = random_prompts(3, seed=5)
     greedy = autoregressive(m, prompts, DecodeConfig(max_new_tokens=20)).tokens
     eos = greedy[0][3]  # a token the first row emits early, inside its first block
     cfg = DecodeConfig(max_new_tokens=20, jacobi=JacobiOptions(block=8), eos_token_id=eos)
@@ -161,7 +161,7 @@ def test_bad_input_fails_clearly():
         DecodeConfig(max_new_tokens=4, jacobi=JacobiOptions(block=1))
     with pytest.raises(ConfigError, match=r"Jacobi initial guess 'zeros'.*\(decoder.jacobi.init\)"):
         DecodeConfig(max_new_tokens=4, jacobi=JacobiOptions(init="zeros"))
-    m = _lively("tiny-llama")
+    m = lively_model("tiny-llama")
     with pytest.raises(ConfigError, match="temperature=0"):
         jacobi(m, [[5, 6]], DecodeConfig(max_new_tokens=4, temperature=0.7))
     with pytest.raises(ConfigError, match="n >= 2"):

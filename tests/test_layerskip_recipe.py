@@ -12,14 +12,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 import fastdecode_recipes
 from fastdecode.config import CONFIG_DIR, ConfigError
-
-
-def write_chat_jsonl(path: Path, n: int = 32) -> Path:
-    with open(path, "w") as f:
-        for i in range(n):
-            reply = " ".join(str((i * j) % 10) for j in range(6))
-            f.write(json.dumps({"prompt": f"Multiply {i} by one to six.", "response": reply}) + "\n")
-    return path
+from tests.helpers import write_chat_jsonl
 
 
 def layerskip_cfg(tmp_path: Path, *extra: str):

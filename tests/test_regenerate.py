@@ -15,7 +15,7 @@ from fastdecode.decoding import DecodeConfig, get_decoder
 from fastdecode.model import EarlyExitModel
 from fastdecode_cli.regenerate import run
 from tests.conftest import _tiny
-from tests.test_layerskip_recipe import write_chat_jsonl
+from tests.helpers import write_chat_jsonl
 
 
 def _cfg(tmp_path, *extra):

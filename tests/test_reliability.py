@@ -26,7 +26,7 @@ from fastdecode.checkpoint import MANIFEST, CheckpointError, check_checkpoint, w
 from fastdecode.config import CONFIG_DIR, ConfigError
 from fastdecode.io import atomic_directory
 from fastdecode_recipes.resume import checkpoint_problem, latest_complete_checkpoint, resolve_resume
-from tests.test_layerskip_recipe import write_chat_jsonl
+from tests.helpers import write_chat_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 

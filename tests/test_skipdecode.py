@@ -25,8 +25,7 @@ from fastdecode.skipdecode_report import lcs_length, rouge_l, skipdecode_quality
 from fastdecode_recipes.skipdecode import decoder_options
 from skipdecode_train.module import SkipDecodeLM
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
-from tests.test_decoding import _lively, _prompts
-from tests.test_layerskip_recipe import write_chat_jsonl
+from tests.helpers import lively_model, random_prompts, write_chat_jsonl
 
 skipdecode = DECODERS["skipdecode"]
 NEW = 12
@@ -85,7 +84,7 @@ def test_bad_policy_raises(kwargs, message):
 
 
 def test_bad_decoder_input_raises_before_any_model_work():
-    m = _lively("tiny-llama")
+    m = lively_model("tiny-llama")
     with pytest.raises(ConfigError, match=r"skip.min_budget=3 > decoder.skip.max_budget=2"):
         DecodeConfig(max_new_tokens=4, skip=SkipOptions(max_budget=2, min_budget=3))
     with pytest.raises(ConfigError, match=r"decoder.skip.max_budget=9 is outside \[2, 4\]"):
@@ -130,8 +129,8 @@ def _stepwise_logits(m, policy, prompts, continuations) -> torch.Tensor:
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("warmup,high,low", [(1, 3, 2), (0, 4, 1), (2, 4, 3)])
 def test_training_forward_equals_token_by_token_decoding(name, batch, warmup, high, low, engine):
-    m = _lively(name)
-    prompts = _prompts(batch, seed=batch + warmup)
+    m = lively_model(name)
+    prompts = random_prompts(batch, seed=batch + warmup)
     cfg = DecodeConfig(
         max_new_tokens=NEW,
         skip=SkipOptions(max_budget=high, min_budget=low, warmup_layers=warmup),
@@ -164,8 +163,8 @@ class _CacheSpy(EarlyExitModel):
 
 
 def test_cache_is_written_and_read_only_where_the_policy_runs():
-    m = _CacheSpy(_lively("tiny-llama").hf)
-    big_l, prompts = m.num_layers, _prompts(3, seed=5)
+    m = _CacheSpy(lively_model("tiny-llama").hf)
+    big_l, prompts = m.num_layers, random_prompts(3, seed=5)
     width = max(map(len, prompts))
     seen: list[tuple[int, int, int]] = []  # (layer, its cache length, the step's slot) at each layer call
     hooks = [
@@ -194,8 +193,8 @@ def test_cache_is_written_and_read_only_where_the_policy_runs():
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-opt"])
 def test_full_budget_equals_autoregressive(name, engine):
-    m = _lively(name)
-    prompts = _prompts(3, seed=7)
+    m = lively_model(name)
+    prompts = random_prompts(3, seed=7)
     cfg = DecodeConfig(max_new_tokens=16, eos_token_id=m.config.eos_token_id)
     full = replace_cfg(
         cfg, skip=SkipOptions(max_budget=m.num_layers, min_budget=m.num_layers), **ENGINES[engine]
@@ -235,11 +234,11 @@ def _is_subsequence(sub, seq) -> bool:
 
 
 def test_quality_report_full_budget_matches_and_skipping_costs_fewer_layers():
-    m = _lively("tiny-llama")
-    prompts = _prompts(4, seed=2)
+    m = lively_model("tiny-llama")
+    prompts = random_prompts(4, seed=2)
     examples = [
         {"input_ids": p + c, "labels": [-100] * len(p) + c}
-        for p, c in zip(prompts, _prompts(4, seed=3), strict=True)
+        for p, c in zip(prompts, random_prompts(4, seed=3), strict=True)
     ]
     assert split_examples(examples) == prompts
     cfg = DecodeConfig(max_new_tokens=8)

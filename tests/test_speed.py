@@ -17,7 +17,7 @@ from fastdecode.bench.stats import Record, oracle_report, token_match
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, group_choices, load_group, to_dataclass
 from fastdecode.data.config import DataConfig
 from fastdecode.decoding import DECODERS, DecodeConfig, DecodeOutput, JacobiOptions, SkipOptions
-from tests.test_decoding import _lively, _prompts
+from tests.helpers import lively_model, random_prompts
 
 FAST = ["progress=false", "repeats=2", "warmup=1", "max_new_tokens=8"]
 
@@ -218,8 +218,8 @@ def test_unknown_method_names_the_missing_config():
 
 def test_hf_and_our_outputs_are_counted_alike_at_eos():
     """Rows cut after their first EOS (HF pads finished rows; we stop them), identical tokens per row."""
-    m = _lively("tiny-llama")
-    prompts = _prompts(3, seed=1)
+    m = lively_model("tiny-llama")
+    prompts = random_prompts(3, seed=1)
     data = DataConfig(name="x", source="jsonl")
     job = SpeedJob(model=load_group("model", "tiny-llama", ModelConfig), data=data, max_new_tokens=12)
     free = FastdecodeRunner(Method("ar", MethodConfig(decoder="autoregressive"), {}), m, None, job, set())
@@ -288,7 +288,7 @@ def test_prompts_go_through_the_chat_template(tmp_path):
 
 def test_hf_runner_uses_a_clean_generation_config():
     """A checkpoint's generation_config (here: assistant_early_exit) must not leak into plain HF generate."""
-    m = _lively("tiny-llama")
+    m = lively_model("tiny-llama")
     job = SpeedJob(
         model=load_group("model", "tiny-llama", ModelConfig), data=DataConfig(name="x", source="jsonl")
     )
@@ -297,18 +297,18 @@ def test_hf_runner_uses_a_clean_generation_config():
     before = (saved.assistant_early_exit, saved.repetition_penalty)
     saved.assistant_early_exit, saved.repetition_penalty = 1, 5.0
     try:
-        plain = hf(_prompts(1, seed=2), 10, 0.0, 0).tokens
+        plain = hf(random_prompts(1, seed=2), 10, 0.0, 0).tokens
     finally:
         saved.assistant_early_exit, saved.repetition_penalty = before
     assert m.hf.generation_config is saved  # swapped back after the call
     free = FastdecodeRunner(Method("ar", MethodConfig(decoder="autoregressive"), {}), m, None, job, set())
-    assert plain == free(_prompts(1, seed=2), 10, 0.0, 0).tokens and len(plain[0]) == 10
+    assert plain == free(random_prompts(1, seed=2), 10, 0.0, 0).tokens and len(plain[0]) == 10
 
 
 def test_hf_early_exit_drafter_prefills_the_prompt_once():
     """A model config holding assistant_early_exit (as exported checkpoints do) must not make HF's drafter nest
     another assisted generation, which re-prefills the whole prompt every round."""
-    model = _lively("tiny-llama").hf
+    model = lively_model("tiny-llama").hf
     job = SpeedJob(
         model=load_group("model", "tiny-llama", ModelConfig), data=DataConfig(name="x", source="jsonl")
     )

@@ -29,12 +29,8 @@ backlog and passes the adapter together with the next round's first token, if ro
 adapter's keys/values depend only on each token's own exit hidden state and position, so that late write is
 exactly what an immediate one would have been).
 
-Why no ``torch.compile`` path: the cache is preallocated (``KVCache``) but not static-shaped - ``update``
-returns the filled prefix ``[:length]`` and keeps its lengths as Python ints, so dynamo guards on them and on
-each layer's index. Compiling the HF layers (``dynamic=True``) of the tiny 4-layer Llama on this CPU took
-174 s (8 graphs) and then decoded 24 tokens in 0.21 s against 0.11 s eager. A worthwhile compiled path needs a
-static-shape cache (attention over the whole capacity with a tensor write index and the ``key_valid`` mask):
-a change to ``fastdecode/cache.py`` and the adapter, best measured on a GPU, where launch overhead matters.
+Compiled and static-shape execution is the engine's (``fastdecode/engine.py``: ``decoder.static_cache``,
+``decoder.compile``); this module is the same on every path. Measurements: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
