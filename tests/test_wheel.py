@@ -25,6 +25,7 @@ PACKAGES = (
     "layerskip_train",
     "cllm_train",
     "skipdecode_train",
+    "adapter_train",
 )
 
 pytestmark = pytest.mark.slow
