@@ -77,9 +77,8 @@ class Recording(Recipe):
 
     def extra_files(self, run: FinetuneRun) -> dict:
         self.calls.append("extra_files")
-        path = run.out / "final" / "extra.json"
-        path.write_text("{}")
-        return {"extra": str(path)}
+        (run.stage / "extra.json").write_text("{}")  # the export staging directory: final/ appears whole
+        return {"extra": str(run.out / "final" / "extra.json")}
 
 
 def test_finetune_runs_the_hooks_in_order_and_writes_the_summary(tmp_path):

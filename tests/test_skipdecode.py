@@ -157,8 +157,8 @@ def test_training_forward_equals_token_by_token_decoding(name, batch, warmup, hi
 class _CacheSpy(EarlyExitModel):
     """Keeps the cache a decoder allocates, so the test can inspect it after ``generate``."""
 
-    def new_cache(self, batch_size: int, capacity: int):
-        self.cache = super().new_cache(batch_size, capacity)
+    def new_cache(self, batch_size: int, capacity: int, extra_layers: int = 0):
+        self.cache = super().new_cache(batch_size, capacity, extra_layers)
         return self.cache
 
 
