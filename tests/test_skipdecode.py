@@ -174,7 +174,9 @@ def test_cache_is_written_and_read_only_where_the_policy_runs():
         for i, layer in enumerate(m.layers)
     ]
     try:
-        cfg = DecodeConfig(max_new_tokens=NEW, skip=SkipOptions(max_budget=4, min_budget=1, warmup_layers=0))
+        # the reference path: the spy counts the cache calls the HF layers make
+        skip = SkipOptions(max_budget=4, min_budget=1, warmup_layers=0)
+        cfg = DecodeConfig(max_new_tokens=NEW, skip=skip, **REFERENCE)
         out = skipdecode(m, prompts, cfg)
     finally:
         for hook in hooks:
