@@ -98,6 +98,7 @@ class ExitAdapterConfig:
     exits: list[int] = field(default_factory=lambda: [4, 8])  # E (blocks run); one adapter each
     kind: str = "block"  # block | attention
     init: str = "last"  # last | exit: the block is copied from the last layer or from layer E
+    zero_init: bool = False  # zero its residual-writing projections: it starts as the raw exit
     draft_vocab_size: int | None = (
         8192  # train and draft over the most frequent trained-on tokens (null: all)
     )

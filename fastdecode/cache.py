@@ -83,14 +83,16 @@ class KVCache:
         The extra arguments of HF's cache protocol (cache kwargs) are accepted and ignored.
         """
         start = self.lengths[layer_idx]
-        end = start + key.shape[-2]
+        steps = key.shape[-2]
+        end = start + steps
         if end > self.capacity:
             self._grow(end)
-        self.k[layer_idx][:, :, start:end] = key
-        self.v[layer_idx][:, :, start:end] = value
+        keys, values = self.k[layer_idx], self.v[layer_idx]
+        keys.narrow(2, start, steps).copy_(key)
+        values.narrow(2, start, steps).copy_(value)
         self.lengths[layer_idx] = end
-        self.writes[layer_idx] += key.shape[-2]
-        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+        self.writes[layer_idx] += steps
+        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
     def reserve(self, valid: torch.Tensor, start: int, positions: torch.Tensor | None = None) -> None:
         """Before tokens enter slots ``[start, start + T)``: their validity ``valid [B, T]`` (bool) and

@@ -84,11 +84,11 @@ def default_options(
 # --------------------------------------------------------------------------------------------------------
 # Lean layers
 def rotary_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's ``(cos, sin) [B, T, D]`` -> ``(cos, sin') [B, T, 1, D]`` with the sign of ``rotate_half`` folded
+    """HF's ``(cos, sin) [B, T, D]`` -> ``(cos, sin') [B, 1, T, D]`` with the sign of ``rotate_half`` folded
     into ``sin'``: ``x * cos + roll(x, D/2) * sin'`` equals ``x * cos + rotate_half(x) * sin`` exactly."""
     half = sin.shape[-1] // 2
     signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)
-    return cos[:, :, None, :], signed[:, :, None, :]
+    return cos[:, None], signed[:, None]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -126,7 +126,6 @@ class RotaryLayer(nn.Module):
         (self.norm1, self.eps1), (self.norm2, self.eps2) = ((w.detach(), e) for w, e in norms)
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.heads, self.kv_heads, self.head_dim, self.scaling = heads, kv_heads, head_dim, scaling
-        self.intermediate = gate_up.out_features // 2
         self.gqa = kv_heads != heads
 
     def forward(
@@ -139,13 +138,13 @@ class RotaryLayer(nn.Module):
         batch, steps, _ = hidden.shape
         heads, rotated = self.heads, self.heads + self.kv_heads
         x = rms_norm(hidden, self.norm1, self.eps1)
-        qkv = self.qkv(x).view(batch, steps, rotated + self.kv_heads, self.head_dim)
+        # [B, heads + 2 kv_heads, T, D]: one transpose for q, k and v
+        qkv = self.qkv(x).view(batch, steps, rotated + self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rotary
-        qk = qkv[:, :, :rotated]
+        qk = qkv[:, :rotated]
         qk = qk * cos + qk.roll(self.head_dim // 2, -1) * sin
-        q = qk[:, :, :heads].transpose(1, 2)
-        k = qk[:, :, heads:].transpose(1, 2)
-        v = qkv[:, :, rotated:].transpose(1, 2)
+        q, k = qk.split((heads, self.kv_heads), 1)
+        v = qkv[:, rotated:]
         if cache is not None:
             k, v = cache.update(k, v, self.index)
         attn = F.scaled_dot_product_attention(
@@ -158,10 +157,8 @@ class RotaryLayer(nn.Module):
             enable_gqa=self.gqa,
         )
         hidden = hidden + self.o(attn.transpose(1, 2).reshape(batch, steps, heads * self.head_dim))
-        x = rms_norm(hidden, self.norm2, self.eps2)
-        gate_up = self.gate_up(x)
-        inner = self.intermediate
-        return hidden + self.down(F.silu(gate_up[..., :inner]) * gate_up[..., inner:])
+        gate, up = self.gate_up(rms_norm(hidden, self.norm2, self.eps2)).chunk(2, -1)
+        return hidden + self.down(F.silu(gate) * up)
 
     def linears(self) -> dict[str, FastLinear]:
         return {"qkv": self.qkv, "o": self.o, "gate_up": self.gate_up, "down": self.down}

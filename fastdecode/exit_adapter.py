@@ -133,7 +133,14 @@ class ExitAdapter(nn.Module):
         source: the layer it is copied from (``source_layer``); the adapter keeps that layer's sliding window.
     """
 
-    def __init__(self, m: EarlyExitModel, exit_layer: int, kind: str = "block", source: int | None = None):
+    def __init__(
+        self,
+        m: EarlyExitModel,
+        exit_layer: int,
+        kind: str = "block",
+        source: int | None = None,
+        zero_residual: bool = False,
+    ):
         super().__init__()
         check_exit_layer(exit_layer, m.num_layers)
         if kind not in KINDS:
@@ -144,7 +151,7 @@ class ExitAdapter(nn.Module):
         self.exit_layer, self.kind, self.source = exit_layer, kind, source
         self.slot = m.num_layers  # its cache layer
         self.window = m.layer_window(source)
-        self.block = m.adapter_block(kind, source, self.slot).to(m.device)
+        self.block = m.adapter_block(kind, source, self.slot, zero_residual).to(m.device)
 
     def forward(
         self,
@@ -180,10 +187,13 @@ class ExitAdapter(nn.Module):
         return self.num_parameters() / max(1, block)
 
 
-def build_adapter(m: EarlyExitModel, exit_layer: int, kind: str = "block", init: str = "last") -> ExitAdapter:
-    """A fresh adapter at exit ``exit_layer`` (checked), copied from the layer ``init`` names."""
+def build_adapter(
+    m: EarlyExitModel, exit_layer: int, kind: str = "block", init: str = "last", zero_residual: bool = False
+) -> ExitAdapter:
+    """A fresh adapter at exit ``exit_layer`` (checked), copied from the layer ``init`` names; with
+    ``zero_residual`` it starts as the identity (its residual-writing projections zeroed)."""
     check_exit_layer(exit_layer, m.num_layers)
-    return ExitAdapter(m, exit_layer, kind, source_layer(init, exit_layer, m.num_layers))
+    return ExitAdapter(m, exit_layer, kind, source_layer(init, exit_layer, m.num_layers), zero_residual)
 
 
 # --------------------------------------------------------------------------------------------------------

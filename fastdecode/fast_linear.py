@@ -177,20 +177,20 @@ def calibrate(
     budget_s: float = 1.5,
 ) -> tuple[list[str], dict[int, dict[str, float]]]:
     """Time every kernel in ``available`` at each M of ``rows`` on ``group`` (layers of one shape), set the
-    fastest as the group's plan, and return it with the timings (seconds per sweep).
+    plan that measured fastest for the group (``_threshold_plan``), and return it with the timings (seconds
+    per sweep).
 
     A sweep runs up to ``max_members`` members of the group one after the other (distinct weights, so they
     stream from memory as in decoding); kernels are interleaved and the best of ``repeats`` rounds is kept
-    (the least disturbed on a shared machine). ``F.linear`` wins only if ``TIE`` faster than the best packed
-    kernel. A kernel whose output differs from ``F.linear`` by more than rounding is dropped. Probing stops
-    once the sweeps have taken ``budget_s`` (larger M then keep the last choice).
+    (the least disturbed on a shared machine). A kernel whose output differs from ``F.linear`` by more than
+    rounding is dropped. Probing stops once the sweeps have taken ``budget_s`` (larger M then keep the last
+    decision).
     """
     members = list(group)[:max_members]
     first = members[0]
     dtype, device = first.weight.dtype, first.weight.device
     kernels = [k for k in KERNELS if k in available]
     probe = torch.randn(max(rows), first.in_features, dtype=dtype, device=device)
-    choice: dict[int, str] = {}
     timings: dict[int, dict[str, float]] = {}
     spent = 0.0
     with torch.inference_mode():
@@ -216,20 +216,41 @@ def calibrate(
                     t = _time(lambda calls=calls, x=x: [call(x) for call in calls], 1)
                     results[name] = min(results[name], t)
             timings[m] = results
-            packed = {k: v for k, v in results.items() if k != "linear"}
-            best = min(packed, key=packed.get) if packed else "linear"
-            if "linear" in results and results["linear"] < (1 - TIE) * results.get(best, math.inf):
-                best = "linear"
-            choice[m] = best
             spent += time.perf_counter() - start
             if spent > budget_s:
                 break
-    plan, current = [], "linear"
-    for m in range(1, max(rows) + 1):
-        current = choice.get(m, current)
-        if current == "mkl" and m > 1:  # an unprobed M between probes: the nearest probed choice but mkl
-            current = "dnn" if "dnn" in kernels else "linear"
-        plan.append(current)
+    plan = _threshold_plan(timings, max(rows))
     for member in group:
         member.set_plan(plan)
     return plan, timings
+
+
+def _threshold_plan(timings: dict[int, dict[str, float]], rows: int) -> list[str]:
+    """The plan from the timings: at M = 1 the fastest kernel (a packed one unless ``F.linear`` is ``TIE``
+    faster); above, oneDNN for M below a threshold and ``F.linear`` from it on, the threshold minimising the
+    summed time relative to the best kernel at each probed M. One switch point instead of a choice per M: a
+    single disturbed measurement on a shared machine cannot flip an isolated M."""
+    first = timings.get(1, {"linear": 1.0})
+    packed = {k: v for k, v in first.items() if k != "linear"}
+    at_one = min(packed, key=packed.get) if packed else "linear"
+    if "linear" in first and first["linear"] < (1 - TIE) * first.get(at_one, math.inf):
+        at_one = "linear"
+    probes = sorted(m for m in timings if m > 1 and "dnn" in timings[m] and "linear" in timings[m])
+    threshold = rows + 1  # oneDNN up to the last planned M
+    if probes:
+
+        def cost(limit: int) -> float:
+            total = 0.0
+            for m in probes:
+                best = min(timings[m].values())
+                total += timings[m]["dnn" if m < limit else "linear"] / best
+            return total
+
+        candidates = [*probes, rows + 1]  # ties: the largest threshold (the packed kernel)
+        scores = {limit: cost(limit) for limit in candidates}
+        threshold = min(candidates, key=lambda limit: (round(scores[limit], 6), -limit))
+        if threshold > probes[-1]:
+            threshold = rows + 1
+    elif not any("dnn" in t for t in timings.values()):
+        threshold = 2  # no oneDNN kernel: F.linear above one row
+    return [at_one] + ["dnn" if m < threshold else "linear" for m in range(2, rows + 1)]

@@ -54,6 +54,7 @@ class Family:
     project_in: str | None = None  # optional projections (OPT-350m)
     project_out: str | None = None
     attn_norm: str = "input_layernorm"  # a decoder layer's norm before its self-attention (exit adapters)
+    residual_writers: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")  # project into the residual
 
 
 ROTARY_DECODER = Family(backbone="model")
@@ -69,6 +70,7 @@ FAMILIES: dict[str, Family] = {
         project_in="project_in",
         project_out="project_out",
         attn_norm="self_attn_layer_norm",
+        residual_writers=("self_attn.out_proj", "fc2"),
     ),
 }
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -448,18 +450,25 @@ class EarlyExitModel:
 
     # ----------------------------------------------------------------------------------------------------
     # Exit adapters (fastdecode/exit_adapter.py): blocks of this family outside the model's layer stack
-    def adapter_block(self, kind: str, source: int, slot: int) -> nn.Module:
+    def adapter_block(self, kind: str, source: int, slot: int, zero_residual: bool = False) -> nn.Module:
         """A trainable copy of decoder layer ``source`` whose attention keeps its KV in cache layer ``slot``.
 
         ``kind="block"``: the whole decoder layer. ``kind="attention"``: Kangaroo's adapter (Liu et al., 2024),
         the layer's pre-attention norm and self-attention with its residual, then a second norm of the same
         type (weight 1, bias 0: at initialisation it changes nothing, since the shared final norm follows).
+        ``zero_residual``: zero the projections that write into the residual stream (``Family.residual_writers``),
+        so the block starts as the identity (the drafter starts as the raw exit) and learns a correction.
         The model's own layers are untouched (deep copies; ``requires_grad`` on).
         """
         layer = copy.deepcopy(self.layers[source])
         for module in layer.modules():
             if hasattr(module, "layer_idx"):
                 module.layer_idx = slot
+        if zero_residual:
+            with torch.no_grad():
+                for path in self.family.residual_writers:
+                    for param in _get(layer, path).parameters():
+                        param.zero_()
         if kind == "block":
             block = layer
         elif kind == "attention":

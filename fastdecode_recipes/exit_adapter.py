@@ -196,7 +196,7 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
     )
     feature_summary = reader.manifest.get("summary", {})
 
-    adapters = {e: build_adapter(m, e, rcfg.kind, rcfg.init) for e in rcfg.exits}
+    adapters = {e: build_adapter(m, e, rcfg.kind, rcfg.init, rcfg.zero_init) for e in rcfg.exits}
     module = AdapterLM(m, adapters, rcfg.loss, vocab)
     args = training_arguments(job, prediction_loss_only=True, remove_unused_columns=False)
     dataset = FeatureDataset(reader, rcfg.exits, rcfg.loss.target)
@@ -236,7 +236,14 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
     dirs = {}
     for e, adapter in adapters.items():
         adapter.eval()
-        dirs[e] = save_adapter(adapter, final / f"E{e}", m, tokenizer, vocab, meta | {"init": rcfg.init})
+        dirs[e] = save_adapter(
+            adapter,
+            final / f"E{e}",
+            m,
+            tokenizer,
+            vocab,
+            meta | {"init": rcfg.init, "zero_init": rcfg.zero_init},
+        )
 
     summary = {
         "final": str(final),

@@ -73,7 +73,8 @@ def test_pure_early_exit_differs_from_full_depth():
 
 # --------------------------------------------------------------------------------------------------------
 # Self-speculative: greedy output is token-identical to autoregressive
-@pytest.mark.parametrize("engine", ENGINES)
+# (the CPU default "fast" is lean layers with a mix of the kernels "packed" and "hf" use: covered by them)
+@pytest.mark.parametrize("engine", ["hf", "packed", "static"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-opt"])
 @pytest.mark.parametrize("upper_scale", [1.0, 0.1], ids=["random", "agreeable"])
 def test_self_speculative_greedy_equals_autoregressive(name, upper_scale, engine):

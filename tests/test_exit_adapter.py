@@ -426,3 +426,14 @@ def test_the_exit_report_compares_raw_exits_with_adapters(tmp_path):
     report = adapter_generation_report(m, adapters, generations, torch.arange(0, 200))
     assert set(report["raw"]) == set(report["adapter"]) == {1, 3} and report["tokens"] == 15
     assert all(0 <= v <= 1 for v in [*report["raw"].values(), *report["adapter"].values()])
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-opt"])
+def test_a_zero_initialised_block_starts_as_the_raw_exit(name):
+    m = lively_model(name, 0.1)
+    adapter = build_adapter(m, 2, "block", "last", zero_residual=True)
+    hidden = torch.randn(2, 5, m.config.hidden_size)
+    with torch.no_grad():
+        out = adapter(m, hidden, torch.arange(5).expand(2, -1))
+    assert torch.equal(out, hidden)
+    assert all(p.requires_grad for p in adapter.parameters())
