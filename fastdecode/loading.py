@@ -53,7 +53,7 @@ def load_tokenizer(cfg: ModelConfig, path: str | None = None):
 
 
 def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
-    model_type = cfg.random_init.get("model_type", cfg.family)
+    model_type = _random_model_type(cfg)
     kwargs = {k: v for k, v in cfg.random_init.items() if k != "model_type"}
     hf_config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(cfg.seed)
@@ -66,6 +66,29 @@ def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) ->
     return model.to(dtype)
 
 
+def _random_model_type(cfg: ModelConfig) -> str:
+    model_type = cfg.random_init.get("model_type", cfg.family)
+    if model_type is None:
+        raise ConfigError(
+            f"model '{cfg.name}': source=random needs model.family or model.random_init.model_type "
+            f"(one of {', '.join(FAMILIES)})."
+        )
+    return model_type
+
+
+def check_family(cfg: ModelConfig, model_type: str) -> str:
+    """The adapter family of weights whose ``config.model_type`` is ``model_type``: ``cfg.family`` when set
+    (it must agree), else ``model_type``; unsupported families are refused naming the supported ones."""
+    if cfg.family is not None and cfg.family != model_type:
+        raise ConfigError(
+            f"model '{cfg.name}' says family={cfg.family} but the checkpoint is '{model_type}'; "
+            f"set model.family={model_type} (or leave model.family out: it is read from the weights)."
+        )
+    if model_type not in FAMILIES:
+        raise unknown_name_error("model family", model_type, list(FAMILIES), f"(model '{cfg.name}')")
+    return model_type
+
+
 def model_config(cfg: ModelConfig):
     """The model's Hugging Face config (layer count, context, ...) without loading any weights.
 
@@ -74,13 +97,15 @@ def model_config(cfg: ModelConfig):
     """
     if cfg.source == "random":
         kwargs = {k: v for k, v in cfg.random_init.items() if k != "model_type"}
-        return AutoConfig.for_model(cfg.random_init.get("model_type", cfg.family), **kwargs)
+        return AutoConfig.for_model(_random_model_type(cfg), **kwargs)
     from fastdecode.assets import model_load_path
 
     path = model_load_path(cfg)
     if Path(path).is_dir():
         check_checkpoint(path, tokenizer=cfg.tokenizer is None, what=f"model '{cfg.name}' directory")
-    return AutoConfig.from_pretrained(path, revision=cfg.revision)
+    config = AutoConfig.from_pretrained(path, revision=cfg.revision)
+    check_family(cfg, config.model_type)  # a contradicting model.family fails before the weights load
+    return config
 
 
 def _from_pretrained(cfg: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedModel, str]:
@@ -120,7 +145,7 @@ def load_model(cfg: ModelConfig):
     (``fastdecode.assets``); later loads read that directory directly. A local directory is checked for
     missing or truncated files before its weights are read (``fastdecode.checkpoint``).
     """
-    if cfg.family not in FAMILIES:
+    if cfg.family is not None and cfg.family not in FAMILIES:
         raise unknown_name_error("model family", cfg.family, list(FAMILIES))
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -130,11 +155,7 @@ def load_model(cfg: ModelConfig):
         path = None
     else:
         model, path = _from_pretrained(cfg, dtype)
-    if model.config.model_type != cfg.family:
-        raise ConfigError(
-            f"model '{cfg.name}' says family={cfg.family} but the checkpoint is '{model.config.model_type}'; "
-            f"set model.family={model.config.model_type}."
-        )
+    check_family(cfg, model.config.model_type)
     model.to(device).eval()
     tokenizer = load_tokenizer(cfg, path)
     log.info(

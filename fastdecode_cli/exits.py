@@ -44,13 +44,7 @@ def run(cfg: Any) -> dict:
 
     job = to_dataclass(ExitsJob, cfg, "")
     check_data_files(job.data)  # before any model loads
-    targets = {"model": job.model}
-    if job.checkpoint:
-        from fastdecode.checkpoint import check_checkpoint
-
-        check_checkpoint(job.checkpoint, what="checkpoint=")  # before the base model loads
-        after = dataclasses.replace(job.model, source="hub", name_or_path=job.checkpoint, tokenizer=None)
-        targets = ({"base": job.model} if job.compare_base else {}) | {"checkpoint": after}
+    targets = report_targets(job)  # a model that contradicts the checkpoint fails here, before any report
     reports, held_out = {}, None
     for label, model_cfg in targets.items():
         model, tokenizer = load_model(model_cfg)
@@ -70,6 +64,22 @@ def run(cfg: Any) -> dict:
     atomic_write_json(out / "exits.json", reports)
     plot_reports(reports, str(out / "exits.png"))
     return reports
+
+
+def report_targets(job: ExitsJob) -> dict[str, ModelConfig]:
+    """What to measure: the model; with a checkpoint, its base (``model=`` when chosen, else the one its
+    ``fastdecode.json`` records; skipped when neither) and the checkpoint, checked to agree before any load."""
+    from fastdecode.checkpoint_info import CHECKPOINT_MODEL, base_model, check_agrees, checkpoint_model
+
+    if not job.checkpoint:
+        return {"model": job.model}
+    after = checkpoint_model(job.model, job.checkpoint)
+    base = base_model(job.checkpoint) if job.model.name == CHECKPOINT_MODEL else job.model
+    if base is not None and job.compare_base:
+        base = dataclasses.replace(base, dtype=job.model.dtype, device=job.model.device)
+        check_agrees(base, job.checkpoint)  # a recorded base of another depth would mix two reports
+        return {"base": base, "checkpoint": after}
+    return {"checkpoint": after}
 
 
 def adapter_report(model, tokenizer, job: ExitsJob, prompts: list[str]) -> dict:

@@ -115,17 +115,55 @@ def _override_error(config_name: str, overrides: list[str], err: Exception) -> E
         from transformers import TrainingArguments
 
         valid = [f.name for f in fields(TrainingArguments) if f.init]
-        if key in valid:
-            return ConfigError(
-                f"trainer.{key} is a TrainingArguments field that the trainer config does not set: add it with "
-                f"+trainer.{key}=VALUE."
-            )
         return ConfigError(
             f"Unknown key 'trainer.{key}': not a transformers.TrainingArguments field.{_suggest(key, valid)}"
         )
     return ConfigError(
         f"Unknown key '{full_key}'.{_suggest(key, keys)} Valid keys of {where}: {', '.join(sorted(keys))}."
     )
+
+
+def checkpoint_is_model(config_name: str, overrides: list[str]) -> list[str]:
+    """``checkpoint=PATH`` without ``model=``: the model is the checkpoint (``configs/model/checkpoint.yaml``:
+    family, tokenizer, depth and label from the directory), not the config's default model."""
+    keys = {o.split("=", 1)[0].lstrip("+") for o in overrides if "=" in o}
+    given = any(o.split("=", 1)[1] not in ("", "null") for o in overrides if o.startswith("checkpoint="))
+    if given and "model" not in keys and "model" in config_groups(config_name):
+        return ["model=checkpoint"]
+    return []
+
+
+def trainer_fields(config_name: str, overrides: list[str]) -> list[str]:
+    """``trainer.X=V`` for a ``TrainingArguments`` field the trainer yaml leaves out, rewritten as
+    ``+trainer.X=V`` (they are all valid: the group is TrainingArguments), so no ``+`` is needed; a misspelt
+    field is left alone and gets the did-you-mean error."""
+    if "trainer" not in config_groups(config_name):
+        return []
+    picks = [o for o in overrides if o.split("=")[0] in config_groups(config_name)]
+    present = set(_node_keys(config_name, picks, "trainer"))
+    fields = _training_fields()
+    added = []
+    for override in list(overrides):
+        key, sep, value = override.partition("=")
+        name = key.removeprefix("trainer.")
+        if sep and key.startswith("trainer.") and name in fields and name not in present:
+            overrides.remove(override)
+            _remove_arg(override)
+            added.append(f"+trainer.{name}={value}")
+    return added
+
+
+def _training_fields() -> set[str]:
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+
+    return {f.name for f in fields(TrainingArguments) if f.init}
+
+
+def _remove_arg(arg: str) -> None:
+    if arg in sys.argv[1:]:
+        sys.argv.remove(arg)
 
 
 def print_help(config_name: str, overrides: list[str]) -> None:
@@ -152,6 +190,9 @@ def check_command_line(config_name: str, argv: list[str] | None = None) -> None:
     if args is None or args.multirun or args.config_name or args.config_path or args.config_dir:
         return
     overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("hydra")]
+    added = checkpoint_is_model(config_name, overrides) + trainer_fields(config_name, overrides)
+    overrides += added
+    sys.argv[len(sys.argv) :] = added  # what Hydra parses next
     if args.help:
         print_help(config_name, overrides)
         sys.exit(0)

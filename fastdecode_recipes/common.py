@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from fastdecode.checkpoint_info import checkpoint_model
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, _suggest, to_dataclass
 from fastdecode.data.config import DataConfig
 from fastdecode.distributed import is_main_process, world_size
@@ -51,6 +52,7 @@ class TrainJob:
     run_name: str = "run"
     output_dir: str = "outputs/run"
     resume_from_checkpoint: str | None = None
+    checkpoint: str | None = None  # a trained checkpoint to train from (fastdecode.checkpoint_info)
     experiment: dict | None = None  # an experiment config may leave notes here (name, budget, result)
 
 
@@ -59,6 +61,7 @@ def load_job(cfg: Any) -> TrainJob:
     job = to_dataclass(TrainJob, cfg, "")
     if "name" not in job.recipe:
         raise ConfigError("recipe.name is missing: pick a recipe with recipe=NAME.")
+    job.model = checkpoint_model(job.model, job.checkpoint)  # a contradicting model= fails here
     check_trainer_keys(job.trainer)
     job.trainer = check_trainer_values(job.trainer)  # typed before anything loads
     return job

@@ -5,7 +5,8 @@ before the weights load) -> ``recipe.validate`` (against the HF config) -> load 
 -> ``recipe.before_report`` (main process) -> ``TrainingArguments`` -> LoRA (``peft`` group) ->
 ``recipe.module`` -> ``recipe.trainer_class`` -> train (+ evaluate on the eval set) -> probe loss of the live
 model -> export (plain HF directory, LoRA merged) -> the export checked against the live model ->
-``recipe.after_report`` -> ``recipe.extra_files`` -> ``summary.json``. The last four run on rank 0 only.
+``recipe.after_report`` -> ``recipe.extra_files`` -> ``fastdecode.json`` (``recipe.describe``) -> ``summary.json``.
+The last five run on rank 0 only.
 
 ``Recipe``'s defaults are plain supervised fine-tuning (``recipe=sft``): the HF model computes its own
 causal-LM loss from ``labels``, the plain ``Trainer``, chat collation. A new method subclasses ``Recipe`` and
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments, set_seed
 
+from fastdecode.checkpoint_info import write_sidecar
 from fastdecode.data.chat import build_datasets, collate
 from fastdecode.distributed import is_main_process
 from fastdecode.io import atomic_directory, atomic_write_json, save_resolved_config
@@ -124,6 +126,20 @@ class Recipe:
         """Files written next to the checkpoint (rank 0, after the report): summary fields."""
         return {}
 
+    def describe(self, run: FinetuneRun) -> dict[str, Any]:
+        """The recipe's fields of the checkpoint's ``fastdecode.json`` (e.g. LayerSkip's ``exit_layer``)."""
+        return {}
+
+
+def describe(job: TrainJob) -> dict[str, Any]:
+    """What every exported checkpoint says about itself (``fastdecode.checkpoint_info``): the recipe, the
+    run's label and the model it was trained from (so ``checkpoint=`` alone can name and compare it)."""
+    return {
+        "recipe": job.recipe["name"],
+        "run_name": job.run_name,
+        "base_model": dataclasses.asdict(job.model),
+    }
+
 
 def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
     """Run the sequence of the module docstring; every rank calls it. ``cfg``: the composed config, saved
@@ -173,6 +189,7 @@ def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
             run.summary["export_check"] = _check_export(recipe, run, probe, live_loss)
             run.summary |= recipe.after_report(run)
             run.summary |= recipe.extra_files(run)
+            write_sidecar(stage, **describe(job) | recipe.describe(run))
     run.stage = out / "final"
     if run.final is not None:
         atomic_write_json(out / "summary.json", run.summary)

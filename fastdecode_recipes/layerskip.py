@@ -1,9 +1,10 @@
 """``recipe=layerskip``: layer dropout + early-exit loss (Elhoushi et al., 2024) on the HF Trainer.
 
 The ``fastdecode_recipes.finetune`` sequence with ``EarlyExitLM`` under ``LayerSkipTrainer``: exit report
-(before) -> train -> export (verified) -> exit report (after) -> recommended exit E in
-``generation_config.assistant_early_exit`` -> ``draft_vocab.json``. The exported checkpoint is a plain HF
-directory: ``AutoModelForCausalLM`` + ``generate(assistant_early_exit=E)`` self-speculates with it.
+(before) -> train -> export (verified) -> exit report (after) -> recommended exit E in ``fastdecode.json``
+-> ``draft_vocab.json``. The exported checkpoint is a plain HF directory that ``generate`` and ``pipeline``
+run at any batch size; ``generate(assistant_early_exit=E)`` self-speculates with it (batch 1), and
+``recipe.export.hf_assistant_early_exit=true`` makes that the default of its generation config.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from fastdecode.model import EarlyExitModel
 from fastdecode_recipes.common import TrainJob
 from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
 from layerskip_train.config import LayerSkipConfig
-from layerskip_train.early_exit_loss import scale_weights
+from layerskip_train.early_exit_loss import CURRICULUM_ALIASES, active_exits, scale_weights
 from layerskip_train.layer_dropout import dropout_rates, parse_layers
 from layerskip_train.module import EarlyExitLM
 from layerskip_train.trainer import LayerSkipTrainer
@@ -51,6 +52,39 @@ def validate(rcfg: LayerSkipConfig, num_layers: int) -> None:
         raise ConfigError(
             f"recipe.exit_layer={rcfg.exit_layer} must be in [1, {num_layers - 1}] (blocks run)."
         )
+    warn_empty_steps(rcfg, num_layers)
+    log.info(
+        "exit losses are logged as loss/exit_E with E = blocks run = layer index + 1 (recipe.early_exit_loss."
+        "layers counts 0-based blocks; recipe.exit_layer and fastdecode.json count E): layers %s -> %s",
+        ee.layers,
+        ", ".join(f"loss/exit_{layer + 1}" for layer in sorted(set(exits) | {num_layers - 1})),
+    )
+
+
+def warn_empty_steps(rcfg: LayerSkipConfig, num_layers: int) -> int:
+    """Warn once when the curriculum leaves steps with no exit loss but the last layer's (a sparse
+    ``layers`` slice under ``strided``/``rotational``); returns how many steps of one period do."""
+    ee = rcfg.early_exit_loss
+    curriculum = CURRICULUM_ALIASES.get(ee.curriculum, ee.curriculum)
+    candidates = [layer for layer in parse_layers(ee.layers, num_layers) if layer != num_layers - 1]
+    if curriculum not in ("strided", "rotational") or not candidates:
+        return 0
+    period = ee.stride if curriculum == "strided" else num_layers
+    empty = sum(
+        active_exits(curriculum, candidates, num_layers, step, 1, ee.stride) == [num_layers - 1]
+        for step in range(period)
+    )
+    if empty:
+        log.warning(
+            "recipe.early_exit_loss: layers=%r with curriculum=%s trains no exit but the last at %d of every %d "
+            "steps (those steps are plain fine-tuning); use a denser layers slice, a smaller stride, or "
+            "curriculum=none to train every candidate at every step",
+            ee.layers,
+            ee.curriculum,
+            empty,
+            period,
+        )
+    return empty
 
 
 def _report_set(rcfg: LayerSkipConfig, tokenizer, held_out: list[dict]) -> list[dict]:
@@ -117,6 +151,10 @@ class LayerSkip(Recipe):
         vocab = _write_draft_vocab(run.train, run.tokenizer, self.rcfg, run.stage, run.out / "final")
         return {"draft_vocab": vocab}
 
+    def describe(self, run: FinetuneRun) -> dict:
+        choice = run.summary.get("recommended_exit") or {}
+        return {"exit_layer": choice.get("exit"), "exit_source": choice.get("source")}
+
 
 def run(job: TrainJob, cfg: Any = None) -> dict:
     """Train, export, report. Returns the checkpoint path, metrics and the recommended exit."""
@@ -174,6 +212,27 @@ def _write_draft_vocab(
     return str(final_dir / DRAFT_VOCAB_FILE)
 
 
+def _record_exit(final, stage: Path, choice: dict, rcfg: LayerSkipConfig) -> None:
+    """E goes into ``fastdecode.json`` (``LayerSkip.describe``); into ``generation_config.json`` only when
+    ``recipe.export.hf_assistant_early_exit`` opts in, since transformers then self-speculates inside every
+    ``generate`` (batch size 1 only). Without the opt-in, one inherited from the base model is removed too."""
+    exit_layer = choice["exit"]
+    if exit_layer is None:
+        log.warning("no exit is expected to speed decoding up yet (%s); no exit recorded", choice)
+    else:
+        log.info("recommended exit E=%s (%s), recorded in fastdecode.json", exit_layer, choice["source"])
+    hf_exit = int(exit_layer) if rcfg.export.hf_assistant_early_exit and exit_layer is not None else None
+    if hf_exit is not None or getattr(final.generation_config, "assistant_early_exit", None) is not None:
+        final.generation_config.assistant_early_exit = hf_exit
+        final.generation_config.save_pretrained(str(stage))
+    if hf_exit is not None:
+        log.warning(
+            "recipe.export.hf_assistant_early_exit=true: generation_config.assistant_early_exit=%d, so plain "
+            "transformers generate() self-speculates by default and refuses batches larger than one",
+            hf_exit,
+        )
+
+
 def _finish(
     final, tokenizer, held_out, rcfg: LayerSkipConfig, before: dict | None, out: Path, stage: Path
 ) -> dict:
@@ -189,12 +248,7 @@ def _finish(
         choice["source"] = "exit report"
     else:
         choice = {"exit": None, "source": "no report"}
-    if choice["exit"] is not None:  # plain transformers users then self-speculate with generate()
-        final.generation_config.assistant_early_exit = int(choice["exit"])
-        final.generation_config.save_pretrained(str(stage))
-        log.info("recommended exit E=%s (%s)", choice["exit"], choice["source"])
-    else:
-        log.warning("no exit is expected to speed decoding up yet (%s); assistant_early_exit not set", choice)
+    _record_exit(final, stage, choice, rcfg)
     report = {"before": before, "after": after, "recommended": choice}
     report["speed"] = _speed_line(final, tokenizer, held_out, rcfg, choice.get("exit") or _best_found(choice))
     atomic_write_json(out / "exit_report.json", report)

@@ -1,7 +1,8 @@
 """``configs/recipe/layerskip.yaml`` as typed dataclasses (torchtune's key names, so LayerSkip users feel at home).
 
 Layer indices are 0-based blocks: "exit after block l". The recommended exit ``E`` written into
-``generation_config.assistant_early_exit`` counts blocks run (``E = l + 1``), as Hugging Face's does.
+``fastdecode.json`` (and, opted in, ``generation_config.assistant_early_exit``) counts blocks run
+(``E = l + 1``), as Hugging Face's does; the logs name exits by E too (``loss/exit_E``).
 """
 
 from __future__ import annotations
@@ -96,13 +97,36 @@ class ReportConfig:
 
 
 @dataclass
+class ExportConfig:
+    """What the exported checkpoint records beyond its weights.
+
+    ``hf_assistant_early_exit``: also write E into ``generation_config.assistant_early_exit``, so plain
+    ``generate()`` self-speculates by default. Off by default because transformers then refuses every batch
+    larger than one ("assisted generate is only supported for batch_size = 1", in ``pipeline`` too) and, on
+    long prompts, nests a second assisted generation; E is always in ``fastdecode.json``.
+    """
+
+    hf_assistant_early_exit: bool = False
+
+
+@dataclass
 class LayerSkipConfig:
+    """``early_exit_loss: null`` trains no exit but the last (plain SFT loss); ``layer_dropout: null`` drops
+    no layer. Both mean off, as in torchtune, not "the defaults"."""
+
     name: str = "layerskip"
-    early_exit_loss: EarlyExitLossConfig = field(default_factory=EarlyExitLossConfig)
-    layer_dropout: LayerDropoutConfig = field(default_factory=LayerDropoutConfig)
-    exit_layer: int | None = None  # E recorded in generation_config; None: chosen from the exit report
+    early_exit_loss: EarlyExitLossConfig | None = field(default_factory=EarlyExitLossConfig)
+    layer_dropout: LayerDropoutConfig | None = field(default_factory=LayerDropoutConfig)
+    exit_layer: int | None = None  # E recorded in fastdecode.json; None: chosen from the exit report
+    export: ExportConfig = field(default_factory=ExportConfig)
     touch_skipped_layers: bool = True  # keep every parameter in the graph (DDP/ZeRO need it)
     report: ReportConfig = field(default_factory=ReportConfig)
     # Size of the frequency-ranked draft vocabulary written next to the checkpoint (draft_vocab.json, from the
     # trained-on tokens): drafting then scores only these head rows. null or >= the vocabulary: not written.
     draft_vocab_size: int | None = 8192
+
+    def __post_init__(self) -> None:
+        if self.early_exit_loss is None:  # off: no candidate exit; the last layer is always trained
+            self.early_exit_loss = EarlyExitLossConfig(layers=[], curriculum="none")
+        if self.layer_dropout is None:  # off: rate 0 everywhere
+            self.layer_dropout = LayerDropoutConfig(prob=0.0)

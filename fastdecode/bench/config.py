@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastdecode.checkpoint import check_checkpoint
+from fastdecode.checkpoint_info import checkpoint_model, recommended_exit
 from fastdecode.config import (
     ConfigError,
     ModelConfig,
@@ -131,23 +131,14 @@ def _positive(job: SpeedJob) -> None:
         raise unknown_name_error("chat_template", job.chat_template, ["auto", "always", "never"])
 
 
-def checkpoint_exit_layer(checkpoint: str | None) -> int | None:
-    """``generation_config.assistant_early_exit`` of a checkpoint directory, read without loading the model."""
-    if not checkpoint:
-        return None
-    path = Path(checkpoint) / "generation_config.json"
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text()).get("assistant_early_exit")
-
-
 def resolve_exit_layer(job: SpeedJob) -> tuple[int | None, str]:
-    """E and where it came from: ``exit_layer``, the checkpoint's generation config, ``model.recommended_exit``."""
+    """E and where it came from: ``exit_layer``, the checkpoint's ``fastdecode.json`` (or generation config),
+    ``model.recommended_exit``."""
     if job.exit_layer is not None:
         return job.exit_layer, "exit_layer"
-    from_checkpoint = checkpoint_exit_layer(job.checkpoint)
+    from_checkpoint, source = recommended_exit(job.checkpoint)
     if from_checkpoint is not None:
-        return int(from_checkpoint), "checkpoint generation_config.assistant_early_exit"
+        return from_checkpoint, source
     if job.model.recommended_exit is not None:
         return job.model.recommended_exit, "model.recommended_exit"
     return None, "unset"
@@ -173,10 +164,7 @@ def draft_model_config(job: SpeedJob) -> ModelConfig | None:
 
 def target_model_config(job: SpeedJob) -> ModelConfig:
     """The model to benchmark: ``model``, or a trained output directory given as ``checkpoint``."""
-    if not job.checkpoint:
-        return job.model
-    check_checkpoint(job.checkpoint, what="checkpoint=")  # names missing files, before any model loads
-    return dataclasses.replace(job.model, source="hub", name_or_path=job.checkpoint, tokenizer=None)
+    return checkpoint_model(job.model, job.checkpoint)  # files checked, a contradicting model= refused
 
 
 def recorded_acceptance(checkpoint: str | None) -> dict[int, float] | None:
@@ -280,8 +268,8 @@ def _method(
         if exit_layer is None:
             raise ConfigError(
                 f"method '{name}' needs an exit layer E and none is set: pass exit_layer=E (1 <= E < layers), "
-                "or a checkpoint whose generation_config.json has assistant_early_exit (the LayerSkip recipe "
-                "writes it; a checkpoint of another recipe has none)."
+                "or a checkpoint that records one (the LayerSkip recipe writes exit_layer into its "
+                "fastdecode.json; a checkpoint of another recipe has none)."
             )
         options[exit_key] = exit_layer
     draft_source = resolve_draft_tokens(options, options.get(exit_key), checkpoint)
@@ -361,10 +349,11 @@ def plan(cfg: Any) -> tuple[SpeedJob, list[Method], str]:
     _positive(job)
     if not job.decoder:
         raise ConfigError("no methods selected: pass decoder=[autoregressive,...] (configs/decoder options).")
-    target_model_config(job)  # an incomplete checkpoint is named before its generation config is read
+    # An incomplete or contradicted checkpoint is named before anything else is read; the job then carries
+    # the checkpoint's own model config (label, family, tokenizer) into the report.
+    job.model = target_model_config(job)
     exit_layer, source = resolve_exit_layer(job)
     draft = draft_model_config(job) is not None
-    target_model_config(job)
     adapter = resolve_adapter_path(job)
     if job.mode == "sweep":
         selected = [n for n in job.decoder if n in (job.baseline, job.hf_baseline)]

@@ -25,6 +25,7 @@ from fastdecode.bench.engines import FastdecodeRunner, HFRunner
 from fastdecode.bench.stats import Record, attach_matches, oracle_report, summarise
 from fastdecode.config import ConfigError
 from fastdecode.data.sources import load_records
+from fastdecode.api import eos_ids
 from fastdecode.model import EarlyExitModel
 
 log = logging.getLogger(__name__)
@@ -73,14 +74,6 @@ def tokenize_prompts(
     if len(prompts) < job.n_prompts:
         log.warning("only %d prompts (asked for %d; %d too long)", len(prompts), job.n_prompts, too_long)
     return prompts
-
-
-def eos_ids(model, tokenizer) -> set[int]:
-    """The tokenizer's EOS and the model's generation-config EOS ids: every method stops at the same set."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    extra = model.generation_config.eos_token_id
-    ids |= set(extra) if isinstance(extra, list) else ({extra} if extra is not None else set())
-    return ids
 
 
 def build_runners(job: SpeedJob, methods: list[Method], model, tokenizer, draft) -> dict[str, Any]:

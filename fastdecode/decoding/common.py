@@ -11,6 +11,9 @@ exactly (bit-identically in fp32) like the same row alone.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -303,6 +306,24 @@ def new_generator(cfg: DecodeConfig, device: torch.device) -> torch.Generator:
 
 # --------------------------------------------------------------------------------------------------------
 # Per-row bookkeeping on the host
+# The callback of ``streaming``: every decoder emits through ``Rows``, so one hook streams them all, and the
+# one decoding signature stays free of a callable that no config can hold.
+_ON_EMIT: contextvars.ContextVar[Callable[[int, list[int]], None] | None] = contextvars.ContextVar(
+    "fastdecode_on_emit", default=None
+)
+
+
+@contextlib.contextmanager
+def streaming(on_emit: Callable[[int, list[int]], None]) -> Iterator[None]:
+    """Within the block, decoders call ``on_emit(row, new_tokens)`` as tokens are accepted (one token per
+    step for autoregressive decoding, the accepted run of each verification for speculative decoding)."""
+    token = _ON_EMIT.set(on_emit)
+    try:
+        yield
+    finally:
+        _ON_EMIT.reset(token)
+
+
 class Rows:
     """The tokens emitted so far per row, with EOS and the ``max_new_tokens`` budget applied."""
 
@@ -311,6 +332,7 @@ class Rows:
         self.finished = [False] * batch
         self.budget = cfg.max_new_tokens
         self.eos = cfg.eos_ids
+        self.on_emit = _ON_EMIT.get()
 
     def emit(self, row: int, new: list[int]) -> int:
         """Append ``new`` to ``row`` up to its first EOS (kept) and its budget, then mark it finished.
@@ -324,6 +346,8 @@ class Rows:
                 break
         if len(out) >= self.budget:
             self.finished[row] = True
+        if self.on_emit is not None and len(out) > before:
+            self.on_emit(row, out[before:])
         return len(out) - before
 
     def emit_tokens(self, tokens: torch.Tensor) -> None:

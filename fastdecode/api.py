@@ -1,0 +1,238 @@
+"""fastdecode as a library: one call loads a model with what its checkpoint records, one call generates.
+
+    >>> import fastdecode
+    >>> fd = fastdecode.from_pretrained("outputs/layerskip-smollm2-135m/final")   # or a hub id, or "tiny-llama"
+    >>> out = fd.generate("What is 2 + 2?", max_new_tokens=32)                     # self_speculative at its E
+    >>> out.text, out.acceptance, out.tokens_per_verification, out.layers_per_token
+
+``from_pretrained`` reads from a checkpoint directory the exit E (``fastdecode.json``, else
+``generation_config.assistant_early_exit``), the exit adapter (``exit_adapter/``), ``draft_vocab.json`` and
+``skipdecode.json``; ``generate`` uses them as the defaults of the ``DecodeConfig`` options, stops at the
+tokenizer's (and the generation config's) EOS and renders text through the tokenizer's chat template. Options
+are ``DecodeConfig`` fields; Hugging Face's names are accepted as aliases (``ALIASES``). This module stands on
+the decoders and the loader only: no training package, no entry point, no benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdecode.checkpoint_info import checkpoint_label, recommended_exit
+from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
+from fastdecode.decoding import DecodeConfig, DecodeOutput, get_decoder
+from fastdecode.decoding.common import streaming
+from fastdecode.decoding.skipdecode import read_skip_options
+from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE
+from fastdecode.exit_adapter import CHECKPOINT_DIR, META_FILE
+from fastdecode.loading import load_model
+from fastdecode.model import EarlyExitModel
+
+try:
+    __version__ = importlib.metadata.version("fastdecode")
+except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+
+# Hugging Face ``generate`` / ``GenerationConfig`` names -> ``DecodeConfig`` fields (same meaning).
+ALIASES = {
+    "assistant_early_exit": "exit_layer",
+    "num_assistant_tokens": "draft_tokens",
+    "num_assistant_tokens_schedule": "policy",
+    "assistant_confidence_threshold": "confidence_threshold",
+}
+SCHEDULES = {"constant": "constant", "heuristic": "heuristic", "heuristic_transient": "heuristic"}
+SKIPDECODE_FILE = "skipdecode.json"
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One ``generate`` call: ``texts``/``ids`` (new tokens only, one entry per input row, EOS kept in ids
+    and dropped from texts), ``output`` (the decoder's ``DecodeOutput``: every count), the ``config`` used."""
+
+    texts: list[str]
+    ids: list[list[int]]
+    output: DecodeOutput
+    config: DecodeConfig
+    method: str
+    single: bool  # the input was one prompt: ``text`` is its string
+
+    @property
+    def text(self) -> str | list[str]:
+        return self.texts[0] if self.single else self.texts
+
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted / drafted tokens (speculative methods; None for the others)."""
+        return self.output.acceptance_rate if self.output.drafted else None
+
+    @property
+    def tokens_per_verification(self) -> float | None:
+        """Tokens emitted per verification and row: accepted + the verifier's own (None: no verification)."""
+        if not self.output.accepted:
+            return None
+        return (sum(self.output.accepted) + len(self.output.accepted)) / len(self.output.accepted)
+
+    @property
+    def layers_per_token(self) -> float:
+        return self.output.layers_per_token
+
+
+def _model_config(source: str | ModelConfig, **placement: Any) -> tuple[ModelConfig, Path | None]:
+    """``source`` -> (model config, the checkpoint directory it reads defaults from, if local)."""
+    if isinstance(source, ModelConfig):
+        cfg = dataclasses.replace(source, **placement)
+        path = cfg.name_or_path
+        return cfg, Path(path) if path and Path(path).is_dir() else None
+    if Path(source).is_dir():
+        cfg = ModelConfig(name=checkpoint_label(source), source="hub", name_or_path=str(source), **placement)
+        return cfg, Path(source)
+    if source in group_choices("model"):
+        cfg = load_group("model", source, ModelConfig, **placement)
+        path = cfg.name_or_path
+        return cfg, Path(path) if path and Path(path).is_dir() else None
+    if "/" in source and not Path(source).exists():  # a hub id: transformers names it if it does not exist
+        return ModelConfig(name=source.split("/")[-1], source="hub", name_or_path=source, **placement), None
+    raise ConfigError(
+        f"from_pretrained({source!r}): neither a model directory, a hub id (owner/name) nor a configs/model "
+        f"name ({', '.join(group_choices('model'))})."
+    )
+
+
+def from_pretrained(
+    source: str | ModelConfig, *, device: str = "auto", dtype: str = "auto", adapter: str | None = None
+) -> FastDecoder:
+    """Load ``source`` (a checkpoint directory, a hub id, a ``configs/model`` name or a ``ModelConfig``) and
+    its tokenizer; ``adapter``: an exit adapter directory (default: ``exit_adapter/`` inside the directory)."""
+    cfg, directory = _model_config(source, device=device, dtype=dtype)
+    model, tokenizer = load_model(cfg)
+    return FastDecoder(model, tokenizer, directory=directory, adapter=adapter, recommended=cfg.recommended_exit)
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The tokenizer's EOS and the model's generation-config EOS ids: where every method stops."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    extra = model.generation_config.eos_token_id
+    ids |= set(extra) if isinstance(extra, list) else ({extra} if extra is not None else set())
+    return ids
+
+
+class FastDecoder:
+    """A model, its tokenizer and its checkpoint's decoding defaults; ``generate`` is the one call."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        directory: Path | None = None,
+        adapter: str | None = None,
+        recommended: int | None = None,
+    ) -> None:
+        self.model, self.tokenizer, self.m = model, tokenizer, EarlyExitModel(model)
+        self.directory = directory
+        self.defaults = _checkpoint_defaults(directory, adapter, recommended)
+
+    def generate(
+        self,
+        inputs: str | list[str] | list[int] | list[list[int]] | torch.Tensor | dict,
+        *,
+        max_new_tokens: int = 64,
+        method: str = "self_speculative",
+        streamer: Any = None,
+        chat: bool | None = None,
+        **options: Any,
+    ) -> GenerationResult:
+        """Decode ``inputs``: a text, a list of texts, token ids (``[T]`` list or tensor), a batch of them
+        (``[[...], ...]``, ``[B, T]`` tensor) or a tokenizer batch (``input_ids`` + ``attention_mask``, left or
+        right padded). ``method``: a ``fastdecode.decoding.DECODERS`` name. ``options``: ``DecodeConfig``
+        fields or their HF aliases. ``chat``: render texts through the chat template (None: when the tokenizer
+        has one). ``streamer``: an HF-style streamer (``put(ids)``, ``end()``), batch 1 only."""
+        prompts, single, is_text = self._prompts(inputs, chat)
+        cfg = self.config(method, max_new_tokens=max_new_tokens, **options)
+        if streamer is not None and len(prompts) > 1:
+            raise ConfigError(f"streamer= streams one row; got a batch of {len(prompts)}: pass one prompt.")
+        decoder = get_decoder(method)
+        if streamer is None:
+            out = decoder(self.m, prompts, cfg)
+        else:
+            streamer.put(torch.tensor([prompts[0]]))
+            with streaming(lambda row, new: streamer.put(torch.tensor([new]))):
+                out = decoder(self.m, prompts, cfg)
+            streamer.end()
+        texts = [self.tokenizer.decode(row, skip_special_tokens=True) for row in out.tokens]
+        return GenerationResult(texts, out.tokens, out, cfg, method, single)
+
+    def config(self, method: str, **options: Any) -> DecodeConfig:
+        """The ``DecodeConfig`` of ``method``: the options (HF aliases renamed) over the checkpoint's
+        defaults for that method, EOS from the tokenizer; a misspelt option names the closest field."""
+        get_decoder(method)  # an unknown method lists the choices before anything else
+        given = {}
+        for key, value in options.items():
+            name = ALIASES.get(key, key)
+            if name in given:
+                raise ConfigError(f"generate(): {key} and {name} are the same option; pass one of them.")
+            given[name] = SCHEDULES.get(value, value) if key == "num_assistant_tokens_schedule" else value
+        node = self.defaults.get(method, {}) | {"eos_token_id": sorted(eos_ids(self.model, self.tokenizer))}
+        if "adapter" in node and "exit_layer" in given:  # an explicit E drafts at that exit, raw
+            node = {k: v for k, v in node.items() if k not in ("adapter", "draft_vocab")}
+        cfg = to_dataclass(DecodeConfig, node | given, "generate()")
+        if method == "self_speculative" and cfg.exit_layer is None and cfg.adapter is None:
+            raise ConfigError(
+                "self_speculative needs an exit layer and this model records none: pass exit_layer=E (or "
+                f"assistant_early_exit=E), 1 <= E <= {self.m.num_layers - 1}, or use method='autoregressive'."
+            )
+        return cfg
+
+    def _prompts(self, inputs: Any, chat: bool | None) -> tuple[list[list[int]], bool, bool]:
+        """(token-id prompts, one prompt given, given as text)."""
+        if isinstance(inputs, str):
+            return [self._encode(inputs, chat)], True, True
+        if isinstance(inputs, dict) or hasattr(inputs, "keys"):  # a tokenizer's BatchEncoding
+            ids, mask = torch.as_tensor(inputs["input_ids"]), inputs.get("attention_mask")
+            mask = torch.ones_like(ids) if mask is None else torch.as_tensor(mask)
+            ids, mask = ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, ids.shape[-1])
+            return [row[keep.bool()].tolist() for row, keep in zip(ids, mask)], False, False
+        if isinstance(inputs, torch.Tensor):
+            return (inputs.tolist() if inputs.dim() == 2 else [inputs.tolist()]), inputs.dim() == 1, False
+        if isinstance(inputs, list) and inputs and all(isinstance(x, str) for x in inputs):
+            return [self._encode(text, chat) for text in inputs], False, True
+        if isinstance(inputs, list) and inputs and all(isinstance(x, int) for x in inputs):
+            return [list(inputs)], True, False
+        if isinstance(inputs, list) and inputs and all(isinstance(x, list) for x in inputs):
+            return [list(row) for row in inputs], False, False
+        raise ConfigError(
+            "generate(): inputs must be a text, a list of texts, token ids, a batch of token-id lists, a tensor "
+            f"or a tokenizer batch; got {type(inputs).__name__}."
+        )
+
+    def _encode(self, text: str, chat: bool | None) -> list[int]:
+        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        if chat and not has_template:
+            raise ConfigError("chat=True but the tokenizer has no chat template; pass chat=False or None.")
+        if has_template and chat is not False:
+            messages = [{"role": "user", "content": text}]
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(rendered, add_special_tokens=False).input_ids
+        return self.tokenizer(text).input_ids
+
+
+def _checkpoint_defaults(directory: Path | None, adapter: str | None, recommended: int | None) -> dict:
+    """Per method, the ``DecodeConfig`` options a checkpoint directory records (E, adapter, draft
+    vocabulary, SkipDecode policy); an explicit ``adapter`` wins over the one inside the directory."""
+    exit_layer = recommended_exit(directory)[0] if directory else None
+    exit_layer = recommended if exit_layer is None else exit_layer
+    spec: dict[str, Any] = {} if exit_layer is None else {"exit_layer": exit_layer}
+    if directory is not None and (directory / DRAFT_VOCAB_FILE).is_file():
+        spec["draft_vocab"] = str(directory / DRAFT_VOCAB_FILE)
+    if adapter is None and directory is not None and (directory / CHECKPOINT_DIR / META_FILE).is_file():
+        adapter = str(directory / CHECKPOINT_DIR)
+    if adapter is not None:  # the adapter has its own E and draft vocabulary
+        spec = {"adapter": adapter}
+    defaults: dict[str, dict] = {"self_speculative": spec}
+    if directory is not None and (directory / SKIPDECODE_FILE).is_file():
+        defaults["skipdecode"] = {"skip": dataclasses.asdict(read_skip_options(directory / SKIPDECODE_FILE))}
+    return defaults
