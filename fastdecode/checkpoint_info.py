@@ -80,8 +80,9 @@ def _model_depth(model: ModelConfig) -> int | None:
     return None
 
 
-def check_agrees(model: ModelConfig, checkpoint: str | os.PathLike) -> None:
-    """Refuse a model config that contradicts ``checkpoint``: another family or another depth."""
+def check_agrees(model: ModelConfig, checkpoint: str | os.PathLike, depth_of_model: int | None = None) -> None:
+    """Refuse a model config that contradicts ``checkpoint``: another family or another depth (the model's
+    depth from ``depth_of_model`` when the caller read it, else when it is known without a download)."""
     config = hf_config(checkpoint)
     model_type, depth = config.get("model_type"), config.get("num_hidden_layers")
     fix = "drop model= (the checkpoint describes itself) or pick the model it was trained from"
@@ -90,7 +91,7 @@ def check_agrees(model: ModelConfig, checkpoint: str | os.PathLike) -> None:
             f"model '{model.name}' (family {model.family}) contradicts checkpoint {checkpoint} "
             f"(model_type {model_type}): {fix}."
         )
-    own_depth = _model_depth(model)
+    own_depth = _model_depth(model) if depth_of_model is None else depth_of_model
     if own_depth is not None and depth is not None and own_depth != depth:
         raise ConfigError(
             f"model '{model.name}' ({own_depth} layers) contradicts checkpoint {checkpoint} ({depth} layers): "

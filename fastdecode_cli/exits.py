@@ -77,7 +77,10 @@ def report_targets(job: ExitsJob) -> dict[str, ModelConfig]:
     base = base_model(job.checkpoint) if job.model.name == CHECKPOINT_MODEL else job.model
     if base is not None and job.compare_base:
         base = dataclasses.replace(base, dtype=job.model.dtype, device=job.model.device)
-        check_agrees(base, job.checkpoint)  # a recorded base of another depth would mix two reports
+        from fastdecode.loading import model_config
+
+        # another depth would mix two reports (an IndexError after the base's): its config.json decides
+        check_agrees(base, job.checkpoint, model_config(base).num_hidden_layers)
         return {"base": base, "checkpoint": after}
     return {"checkpoint": after}
 
