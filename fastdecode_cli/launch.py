@@ -137,8 +137,8 @@ def trainer_fields(config_name: str, overrides: list[str]) -> list[str]:
     """``trainer.X=V`` for a ``TrainingArguments`` field the trainer yaml leaves out, rewritten as
     ``+trainer.X=V`` (they are all valid: the group is TrainingArguments), so no ``+`` is needed; a misspelt
     field is left alone and gets the did-you-mean error."""
-    if "trainer" not in config_groups(config_name):
-        return []
+    if not any(o.startswith("trainer.") for o in overrides) or "trainer" not in config_groups(config_name):
+        return []  # nothing to rewrite: no compose, no transformers import
     picks = [o for o in overrides if o.split("=")[0] in config_groups(config_name)]
     present = set(_node_keys(config_name, picks, "trainer"))
     fields = _training_fields()
@@ -148,7 +148,6 @@ def trainer_fields(config_name: str, overrides: list[str]) -> list[str]:
         name = key.removeprefix("trainer.")
         if sep and key.startswith("trainer.") and name in fields and name not in present:
             overrides.remove(override)
-            _remove_arg(override)
             added.append(f"+trainer.{name}={value}")
     return added
 
@@ -159,11 +158,6 @@ def _training_fields() -> set[str]:
     from transformers import TrainingArguments
 
     return {f.name for f in fields(TrainingArguments) if f.init}
-
-
-def _remove_arg(arg: str) -> None:
-    if arg in sys.argv[1:]:
-        sys.argv.remove(arg)
 
 
 def print_help(config_name: str, overrides: list[str]) -> None:
@@ -190,9 +184,11 @@ def check_command_line(config_name: str, argv: list[str] | None = None) -> None:
     if args is None or args.multirun or args.config_name or args.config_path or args.config_dir:
         return
     overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("hydra")]
+    before = list(overrides)
     added = checkpoint_is_model(config_name, overrides) + trainer_fields(config_name, overrides)
+    if argv is None:  # what Hydra parses next: the rewritten command line
+        sys.argv[1:] = [a for a in sys.argv[1:] if a in overrides or a not in before] + added
     overrides += added
-    sys.argv[len(sys.argv) :] = added  # what Hydra parses next
     if args.help:
         print_help(config_name, overrides)
         sys.exit(0)

@@ -117,6 +117,8 @@ def test_bring_your_own_model_needs_no_family(ckpt):
     with pytest.raises(ConfigError, match="family=qwen2 but the checkpoint is 'llama'"):
         model_config(dataclasses.replace(own, family="qwen2"))
     assert checkpoint_model(own, None) is own
+    hub = to_dataclass(ModelConfig, _compose("speed", "model=hub", f"model.name_or_path={ckpt}").model, "model")
+    assert hub.family is None and hub.name == "layerskip-tiny-llama" and model_config(hub).model_type == "llama"
 
 
 def test_trainer_fields_need_no_plus(monkeypatch):
@@ -128,6 +130,10 @@ def test_trainer_fields_need_no_plus(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["train.py", "trainer.gradient_checkpointin=true"])
     with pytest.raises(ConfigError, match="Did you mean 'gradient_checkpointing'"):
         check_command_line("train")
+    argv = ["train.py", "trainer.eval_steps=5"]
+    monkeypatch.setattr(sys, "argv", list(argv))
+    check_command_line("train", ["trainer.eval_steps=5"])  # an explicit command line: sys.argv left alone
+    assert sys.argv == argv
 
 
 DOCUMENTED = {"dtype": "bfloat16", "device": "cuda", "attn_implementation": "eager", "seed": 3,

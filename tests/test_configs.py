@@ -28,8 +28,8 @@ def _all_options() -> list[tuple[str, str]]:
 @pytest.mark.parametrize("group,name", _all_options(), ids=lambda x: str(x))
 def test_every_config_composes_and_converts(group, name, tmp_path):
     overrides = [f"{group}={name}", f"output_dir={tmp_path}"]
-    if group == "model" and name == "checkpoint":  # the model is the directory given as checkpoint=
-        with pytest.raises(ConfigError, match=r"model=checkpoint .* set checkpoint="):
+    if group == "model" and name in ("checkpoint", "hub"):  # the directory or hub id is the user's to give
+        with pytest.raises(ConfigError, match=r"set checkpoint=|needs model.name_or_path"):
             load_job(_compose(*overrides))
         return
     if group == "data" and name == "jsonl":
@@ -97,7 +97,7 @@ def test_deepspeed_launcher_argument_is_stripped(monkeypatch):
 
 def test_model_configs_name_matches_file():
     for name in group_choices("model"):
-        if name == "checkpoint":  # its directory is the top-level checkpoint=, absent outside a composed config
+        if name in ("checkpoint", "hub"):  # the directory (or hub id) is the user's to give
             assert load_group("model", name, ModelConfig, name_or_path="/x").name == name
             continue
         assert load_group("model", name, ModelConfig).name == name

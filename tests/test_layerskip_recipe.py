@@ -53,8 +53,11 @@ def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
     assert summary["export_check"]["abs_diff"] < 1e-4  # saved weights reproduce the live model
     assert summary["metrics"]["eval_loss/exit_4"] > 0  # evaluation logs the exit losses too (the last one)
     reloaded = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
-    exit_e = GenerationConfig.from_pretrained(summary["checkpoint"]).assistant_early_exit
-    assert exit_e == summary["recommended_exit"]["exit"] == 2
+    sidecar = json.loads((Path(summary["checkpoint"]) / "fastdecode.json").read_text())
+    assert sidecar["exit_layer"] == summary["recommended_exit"]["exit"] == 2
+    assert sidecar["run_name"] == "layerskip-tiny-llama" and sidecar["base_model"]["name"] == "tiny-llama"
+    # Not in generation_config: plain generate() would self-speculate and refuse batches larger than one.
+    assert GenerationConfig.from_pretrained(summary["checkpoint"]).assistant_early_exit is None
     report = json.loads((run / "exit_report.json").read_text())
     assert set(report["before"]["generations"]["agreement"]) == {str(i) for i in range(1, 5)}
     assert (run / "exit_report.png").is_file()
@@ -65,7 +68,44 @@ def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
     assert len(logs) == 4 and all("loss/exit_4" in h for h in logs)  # the last exit is always on
     rotated = [sorted(k for k in h if k.startswith("loss/exit_")) for h in logs]
     assert rotated[0] != rotated[1]  # the default strided curriculum: the active exits change per step
-    # Plain transformers users get self-speculation from the saved generation config, losslessly.
+    _plain_transformers_batches(summary["checkpoint"], reloaded)
+    _library_generates(summary["checkpoint"])
+
+
+def _plain_transformers_batches(checkpoint: str, reloaded) -> None:
+    """Batched ``generate`` and ``pipeline(batch_size=2)`` on the export, as any serving stack calls them."""
+    from transformers import AutoTokenizer, pipeline
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer.padding_side = "left"
+    batch = tokenizer(["Hello there", "Hi"], return_tensors="pt", padding=True)
+    out = reloaded.generate(**batch, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape == (2, batch["input_ids"].shape[1] + 5)
+    generator = pipeline("text-generation", model=checkpoint, tokenizer=tokenizer, batch_size=2, device="cpu")
+    results = generator(["Hello there", "Hi", "Hey"], max_new_tokens=4, do_sample=False)
+    assert len(results) == 3 and all(r[0]["generated_text"] for r in results)
+
+
+def _library_generates(checkpoint: str) -> None:
+    """``fastdecode.from_pretrained`` on the export self-speculates at its recorded E, losslessly."""
+    import fastdecode
+
+    fd = fastdecode.from_pretrained(checkpoint, device="cpu", dtype="float32")
+    fast = fd.generate("Hello there", max_new_tokens=8)
+    assert fast.config.exit_layer == 2 and fast.output.drafted
+    assert fast.text == fd.generate("Hello there", max_new_tokens=8, method="autoregressive").text
+
+
+def test_opting_in_writes_the_exit_into_generation_config(tmp_path):
+    """``recipe.export.hf_assistant_early_exit=true``: plain ``generate()`` self-speculates, losslessly."""
+    summary = fastdecode_recipes.run(
+        layerskip_cfg(
+            tmp_path, "recipe.exit_layer=2", "recipe.report.enabled=false", "recipe.export.hf_assistant_early_exit=true"
+        )
+    )
+    reloaded = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
+    exit_e = GenerationConfig.from_pretrained(summary["checkpoint"]).assistant_early_exit
+    assert exit_e == 2
     ids = torch.tensor([[3, 50, 60, 70, 80]])
     speculative = reloaded.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
     no_spec = GenerationConfig.from_dict(
@@ -79,14 +119,15 @@ def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("useful", [True, False])
-def test_the_exit_choice_from_the_report_goes_into_generation_config(tmp_path, monkeypatch, useful):
+def test_the_exit_choice_from_the_report_goes_into_the_sidecar(tmp_path, monkeypatch, useful):
     import fastdecode_recipes.layerskip as recipe
 
     fake = {"exit": 3, "draft": 2, "expected_speedup": 1.4} if useful else {"exit": None, "draft": 0}
     monkeypatch.setattr(recipe, "choose_exit", lambda agreement, layers, k, **kw: dict(fake))
     summary = fastdecode_recipes.run(layerskip_cfg(tmp_path))
-    saved = GenerationConfig.from_pretrained(summary["checkpoint"]).assistant_early_exit
-    assert saved == fake["exit"] == summary["recommended_exit"]["exit"]  # None: not written at all
+    saved = json.loads((Path(summary["checkpoint"]) / "fastdecode.json").read_text())["exit_layer"]
+    assert saved == fake["exit"] == summary["recommended_exit"]["exit"]  # None: no exit recorded
+    assert GenerationConfig.from_pretrained(summary["checkpoint"]).assistant_early_exit is None
 
 
 # torchtune's rotational curriculum on one candidate exit of the 4-layer model: exits {1,3} {2,3} {3} {0,3};
