@@ -187,7 +187,8 @@ def check_command_line(config_name: str, argv: list[str] | None = None) -> None:
     before = list(overrides)
     added = checkpoint_is_model(config_name, overrides) + trainer_fields(config_name, overrides)
     if argv is None:  # what Hydra parses next: the rewritten command line
-        sys.argv[1:] = [a for a in sys.argv[1:] if a in overrides or a not in before] + added
+        # first: Hydra's parser reads one run of overrides (one after --cfg job would be refused)
+        sys.argv[1:] = added + [a for a in sys.argv[1:] if a in overrides or a not in before]
     overrides += added
     if args.help:
         print_help(config_name, overrides)

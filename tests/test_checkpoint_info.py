@@ -44,6 +44,12 @@ def test_checkpoint_alone_picks_the_checkpoint_model():
     assert checkpoint_is_model("collect_jacobi", []) == []
 
 
+def test_the_command_line_gets_model_checkpoint_before_hydras_flags(ckpt, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["speed.py", f"checkpoint={ckpt}", "--cfg", "job"])
+    check_command_line("speed")
+    assert sys.argv == ["speed.py", "model=checkpoint", f"checkpoint={ckpt}", "--cfg", "job"]
+
+
 def test_speed_on_a_checkpoint_is_labelled_and_filed_as_it(ckpt):
     from fastdecode.bench.config import plan
 
