@@ -24,22 +24,14 @@ from cllm_train.trainer import CLLMTrainer
 from fastdecode.config import to_dataclass
 from fastdecode.data.chat import build_datasets, user_prompt_ids
 from fastdecode.decoding import DecodeConfig, JacobiOptions, get_decoder
-from fastdecode.loading import load_tokenizer, resolve_device
+from fastdecode.loading import resolve_device
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokens import next_token_nll
 from fastdecode.tokens import perplexity as token_perplexity
-from fastdecode_recipes.common import TrainJob
+from fastdecode_recipes.common import TrainJob, job_tokenizer
 from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
 
 log = logging.getLogger(__name__)
-
-
-def _tokenizer(job: TrainJob):
-    """The model's tokenizer without its weights (a packaged GGUF is converted once, then cached)."""
-    from fastdecode.assets import model_load_path
-
-    path = None if job.model.source == "random" or job.model.tokenizer else model_load_path(job.model)
-    return load_tokenizer(job.model, path)
 
 
 def _held_out(job: TrainJob, rcfg: CLLMConfig, tokenizer, trained_ids: set[str]) -> list[dict]:
@@ -111,7 +103,7 @@ class CLLM(Recipe):
 
     def prepare(self) -> None:
         """Trajectories checked against the tokenizer, examples built: all before the weights load."""
-        tokenizer = _tokenizer(self.job)
+        tokenizer = job_tokenizer(self.job)
         self.manifest, self.records = load_trajectories(
             self.rcfg.trajectories, tokenizer, model_identity(self.job.model), self.rcfg.max_records
         )

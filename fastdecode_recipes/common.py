@@ -67,6 +67,16 @@ def load_job(cfg: Any) -> TrainJob:
     return job
 
 
+def job_tokenizer(job: TrainJob):
+    """The model's tokenizer without its weights, for checks before they load (a packaged GGUF is converted
+    once, then cached)."""
+    from fastdecode.assets import model_load_path
+    from fastdecode.loading import load_tokenizer
+
+    path = None if job.model.source == "random" or job.model.tokenizer else model_load_path(job.model)
+    return load_tokenizer(job.model, path)
+
+
 def check_trainer_keys(trainer: dict) -> None:
     """Every key of the ``trainer`` group must be a ``transformers.TrainingArguments`` field name."""
     from transformers import TrainingArguments
@@ -259,10 +269,14 @@ def probe_loss(trainer, probe: dict) -> float:
 
     model = trainer.model_wrapped
     model.eval()
-    device = trainer.args.device
     with torch.no_grad():
-        loss = model(**{k: v.to(device) for k, v in probe.items()})["loss"]
+        loss = model(**to_device(probe, trainer.args.device))["loss"]
     return float(loss)
+
+
+def to_device(batch: dict, device) -> dict:
+    """A collated batch on ``device``; nested dicts of tensors too (the exit adapters' ``hidden[E]``)."""
+    return {k: to_device(v, device) if isinstance(v, dict) else v.to(device) for k, v in batch.items()}
 
 
 def compare_export(saved_loss: float, live_loss: float, live_dtype) -> dict:

@@ -1,25 +1,24 @@
 """``recipe=exit_adapter``: exit adapters on a frozen model (Kangaroo: "Kangaroo: Lossless Self-Speculative
 Decoding via Double Early Exiting", Liu et al., 2024).
 
-model (frozen) -> exits checked -> data -> draft vocabulary -> feature cache (layer-E features + teacher
-targets, computed once, resumable) -> one adapter per exit, trained on the cache (HF Trainer; an epoch costs
-only the adapters and the drafter's head) -> adapters saved (``final/E<e>/``, base weights never rewritten,
-checked bitwise) -> per-exit agreement on the model's own greedy generations, raw exit vs adapter -> the exit
-with the best expected speedup (head-aware cost model, ``choose_exit``) in ``final/adapters.json`` -> the base
-model's perplexity (unchanged by construction) -> a closing speed line.
+The ``fastdecode_recipes.finetune`` sequence with ``AdapterLM`` under ``AdapterTrainer``: exits and the given
+draft vocabulary checked (before the weights load) -> model frozen and fingerprinted (``loaded``) -> data ->
+draft vocabulary -> feature cache (layer-E features + teacher targets, computed once, resumable: the
+Trainer's dataset) -> the base model's perplexity (before) -> one adapter per exit, trained on the cache (an
+epoch costs only the adapters and the drafter's head; resumable from ``checkpoint-N``) -> base weights checked
+bitwise -> the export: ``final/E<e>/`` per exit, never the base weights (``export``), loaded back and checked
+against the live adapters -> per-exit agreement on the model's own greedy generations, raw exit vs adapter ->
+the exit with the best expected speedup (head-aware cost model, ``choose_exit``) in ``final/adapters.json`` ->
+the base model's perplexity (unchanged by construction) -> a closing speed line.
 
-Written as steps a generic ``finetune`` sequence can call: the method code (features, loss, module, trainer)
-lives in ``adapter_train/``; this module only wires it.
+The method code (features, loss, module, trainer) lives in ``adapter_train/``; this module only wires it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,53 +28,51 @@ from adapter_train.config import ExitAdapterConfig
 from adapter_train.features import FeatureDataset, build_features, collate_features
 from adapter_train.module import AdapterLM
 from adapter_train.trainer import AdapterTrainer
-from fastdecode.config import group_choices, load_group, to_dataclass, unknown_name_error
+from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
 from fastdecode.data.chat import build_datasets, user_prompt_ids
 from fastdecode.data.config import DataConfig
 from fastdecode.data.draft_vocab import draft_vocab_from_examples
-from fastdecode.decoding import DecodeConfig, get_decoder
+from fastdecode.distributed import is_main_process
 from fastdecode.draft_vocab_file import load_draft_vocab
 from fastdecode.exit_adapter import (
     INDEX_FILE,
     DraftVocabMismatchError,
+    ExitAdapter,
     build_adapter,
+    load_adapter,
     save_adapter,
 )
-from fastdecode.exit_report import (
-    adapter_generation_report,
-    choose_exit,
-    greedy_generations,
-    head_cost_in_blocks,
-    model_perplexity,
-)
+from fastdecode.exit_report import model_perplexity
 from fastdecode.identity import weights_fingerprint
-from fastdecode.io import atomic_write_json, save_resolved_config
-from fastdecode.loading import load_model
+from fastdecode.io import atomic_write_json
 from fastdecode.model import EarlyExitModel
-from fastdecode_recipes.common import TrainJob, resolve_resume, training_arguments
+from fastdecode_recipes.common import TrainJob, job_tokenizer
+from fastdecode_recipes.exit_adapter_report import report
+from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
 
 log = logging.getLogger(__name__)
 
 
-def given_draft_vocabulary(rcfg: ExitAdapterConfig, tokenizer, m: EarlyExitModel):
-    """``recipe.draft_vocab`` (a file) checked against the tokenizer and the model, or None."""
+def given_draft_vocabulary(rcfg: ExitAdapterConfig, tokenizer, head_rows: int) -> torch.Tensor | None:
+    """``recipe.draft_vocab`` (a file) checked against the tokenizer and the model's ``head_rows``: its ids
+    ``[S]`` on the CPU, or None."""
     if rcfg.draft_vocab is None:
         return None
     ids, vocab_size = load_draft_vocab(rcfg.draft_vocab)
-    if vocab_size != len(tokenizer) or len(ids) == 0 or int(ids.max()) >= m.vocab_size:
+    if vocab_size != len(tokenizer) or len(ids) == 0 or int(ids.max()) >= head_rows:
         raise DraftVocabMismatchError(
             f"recipe.draft_vocab={rcfg.draft_vocab!r} was built for a vocabulary of {vocab_size} ids but "
-            f"this tokenizer has {len(tokenizer)} (the model's head {m.vocab_size} rows): rebuild it with "
+            f"this tokenizer has {len(tokenizer)} (the model's head {head_rows} rows): rebuild it with "
             "this tokenizer, or set recipe.draft_vocab=null."
         )
-    return ids.to(m.device)
+    return ids
 
 
 def draft_vocabulary(rcfg: ExitAdapterConfig, train: list[dict], tokenizer, m: EarlyExitModel, given):
     """The draft vocabulary the adapters train and draft with: the given one, the most frequent trained-on
     tokens (``draft_vocab_size``), or None (the full head)."""
     if given is not None:
-        return given
+        return given.to(m.device)
     if rcfg.draft_vocab_size is None or rcfg.draft_vocab_size >= len(tokenizer):
         return None
     return draft_vocab_from_examples(train, tokenizer, rcfg.draft_vocab_size).to(m.device)
@@ -110,190 +107,167 @@ def _report_set(rcfg: ExitAdapterConfig, tokenizer, held_out: list[dict]) -> lis
     return build_datasets(data, tokenizer)[1]
 
 
-def cached_generations(model, tokenizer, prompts: list[str], max_new_tokens: int, directory: Path) -> list:
-    """The frozen model's greedy generations of ``prompts``, computed once per model and stored in
-    ``directory`` (the model never changes in this recipe, so every run may reuse them)."""
-    key = json.dumps([weights_fingerprint(model), prompts, max_new_tokens])
-    path = directory / f"generations-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if path.is_file():
-        return [(ids, n) for ids, n in json.loads(path.read_text())]
-    generations = greedy_generations(model, tokenizer, prompts, max_new_tokens)
-    atomic_write_json(path, generations)
-    return generations
+class ExitAdapterRecipe(Recipe):
+    """Adapters beside a frozen model: the feature cache is the Trainer's dataset, ``AdapterLM`` (adapters
+    only) its module; the export is ``final/E<e>/`` per exit and ``final/adapters.json``, never the base."""
 
+    trainer_class = AdapterTrainer
 
-def draft_blocks(m: EarlyExitModel, adapters: dict, vocab) -> dict[int, float]:
-    """A drafted token's cost in blocks per exit: E blocks, the adapter, the drafter's head (its rows)."""
-    block = sum(p.numel() for p in m.layers[0].parameters())
-    head = m.step_cost(depth=0, head_rows=None if vocab is None else len(vocab)) / block
-    return {e: e + a.cost_in_blocks(m) + head for e, a in adapters.items()}
+    def __init__(self, job: TrainJob) -> None:
+        super().__init__(job)
+        self.rcfg = to_dataclass(ExitAdapterConfig, job.recipe, "recipe")
+        self.given_vocab: torch.Tensor | None = None  # recipe.draft_vocab, checked before the weights load
+        self.m: EarlyExitModel | None = None  # the frozen model (set by ``loaded``)
+        self.base_hash = ""
+        self.adapters: dict[int, ExitAdapter] = {}
+        self.vocab: torch.Tensor | None = None  # the draft vocabulary [S] (None: the full head)
+        self.report_set: list[dict] = []
+        self.training: dict = {}  # what training did (set by ``export``)
+        self.feature_dir = Path(self.rcfg.features.dir or Path(job.output_dir) / "features")
+        self.reader = None  # the feature cache (set by ``datasets``)
+        self.index: dict = {}  # final/adapters.json (set by ``after_report``)
 
-
-def speed_line(m: EarlyExitModel, tokenizer, prompts: list[str], adapter_dir: Path, rcfg) -> dict:
-    """Self-speculation through the adapter (adaptive policy) against autoregressive decoding, batch 1."""
-    r = rcfg.report
-    ids = [user_prompt_ids(tokenizer, p) for p in prompts[: r.speed_prompts]]
-    if not ids:
-        return {}
-    base = DecodeConfig(max_new_tokens=r.speed_new_tokens, eos_token_id=tokenizer.eos_token_id)
-    spec = dataclasses.replace(base, adapter=str(adapter_dir), policy="adaptive", draft_tokens=r.max_draft)
-    result = {}
-    for name, cfg in (("autoregressive", base), ("self_speculative", spec)):
-        get_decoder(name)(m, ids[:1], dataclasses.replace(cfg, max_new_tokens=2))  # warm-up
-        start = time.perf_counter()
-        outs = [get_decoder(name)(m, [p], cfg) for p in ids]
-        seconds = time.perf_counter() - start
-        result[name] = {
-            "tokens_per_s": sum(o.num_tokens for o in outs) / seconds,
-            "tokens": sum(o.num_tokens for o in outs),
-        }
-        if name == "self_speculative":
-            result["acceptance"] = sum(sum(o.accepted) for o in outs) / max(
-                1, sum(sum(o.drafted) for o in outs)
+    def prepare(self) -> None:
+        if self.job.peft.method != "none":
+            raise ConfigError(
+                "recipe=exit_adapter trains adapters beside a frozen model: set peft=none (LoRA would "
+                "change the base model the adapters draft for)."
             )
-    result["speedup"] = result["self_speculative"]["tokens_per_s"] / result["autoregressive"]["tokens_per_s"]
-    line = (
-        f"self-speculation through the exit adapter ({adapter_dir.name}): "
-        f"{result['self_speculative']['tokens_per_s']:.1f} tok/s vs autoregressive "
-        f"{result['autoregressive']['tokens_per_s']:.1f} tok/s ({result['speedup']:.2f}x, acceptance "
-        f"{result['acceptance']:.2f}; {len(ids)} held-out prompts, greedy, batch 1)"
-    )
-    log.info(line)
-    print(line)
-    return result
+
+    def validate(self, config) -> None:  # ExitLayerError and DraftVocabMismatchError before the weights load
+        self.rcfg.validate(config.num_hidden_layers)
+        self.given_vocab = given_draft_vocabulary(self.rcfg, job_tokenizer(self.job), config.vocab_size)
+
+    def loaded(self, model, tokenizer) -> None:
+        model.requires_grad_(False)
+        model.eval()
+        self.base_hash = weights_fingerprint(model, full=True)  # checked bitwise before the export
+        self.m = m = EarlyExitModel(model)
+        rcfg = self.rcfg
+        self.adapters = {e: build_adapter(m, e, rcfg.kind, rcfg.init, rcfg.zero_init) for e in rcfg.exits}
+
+    def datasets(self, tokenizer) -> tuple[FeatureDataset, list[dict]]:
+        """The draft vocabulary, the report's set, then the feature cache (built or resumed): the frozen
+        model's work, all before training."""
+        rcfg, m = self.rcfg, self.m
+        train, held_out = build_datasets(self.job.data, tokenizer)
+        self.vocab = draft_vocabulary(rcfg, train, tokenizer, m, self.given_vocab)
+        self.report_set = _report_set(rcfg, tokenizer, held_out) if rcfg.report.enabled else []
+        sources, eos = train, None
+        if rcfg.features.source == "generate":  # the model's own answers to the training split's first turns
+            sources = generation_prompts(train, tokenizer, rcfg.features.max_prompt_tokens)
+            eos = eos_ids(m.hf, tokenizer)
+        self.reader = build_features(
+            m,
+            tokenizer,
+            sources,
+            self.feature_dir,
+            rcfg.features,
+            rcfg.cached_exits(),
+            self.job.data,
+            eos=eos,
+        )
+        return FeatureDataset(self.reader, rcfg.exits, rcfg.loss.target), held_out
+
+    def eval_dataset(self, held_out: list[dict]) -> None:
+        return None  # held-out conversations feed the report (agreement on the model's own generations)
+
+    def collator(self, tokenizer, model):
+        return functools.partial(collate_features, exits=self.rcfg.exits)
+
+    def training_args(self) -> dict:
+        return {"remove_unused_columns": False}  # cached records are not AdapterLM's forward arguments
+
+    def module(self, model, args) -> AdapterLM:
+        """``self.adapters`` around ``model``'s frozen layers; after the export, the adapters loaded back."""
+        m = self.m if model is self.m.hf else EarlyExitModel(model)  # one adapter of the model: its engines
+        return AdapterLM(m, self.adapters, self.rcfg.loss, self.vocab)
+
+    def summary(self) -> dict:
+        features = {"dir": str(self.feature_dir), **self.reader.manifest.get("summary", {})}
+        final = Path(self.job.output_dir) / "final"
+        return {"final": str(final), "features": features, "base_weights_sha256": self.base_hash}
+
+    def before_report(self, model, tokenizer, held_out: list[dict]) -> dict | None:
+        """The base model's perplexity, to compare with the one after training (equal by construction)."""
+        with torch.no_grad():
+            r = self.rcfg.report
+            return model_perplexity(self.m, self.report_set, r.held_out_examples) if self.report_set else None
+
+    def export(self, run: FinetuneRun):
+        """The adapters into ``final/E<e>/`` (the base weights, checked bitwise, are never written); then
+        loaded back, so the export check and the reports run the saved adapters. Returns the base model."""
+        if weights_fingerprint(self.m.hf, full=True) != self.base_hash:
+            raise RuntimeError(
+                "the base model's weights changed during adapter training: they must stay frozen"
+            )
+        self.training = training_stats(run, self.reader)
+        if not is_main_process():
+            return None
+        meta = self._meta(run)
+        for e, adapter in self.adapters.items():
+            save_adapter(adapter.eval(), run.stage / f"E{e}", self.m, run.tokenizer, self.vocab, meta)
+        self.adapters = {
+            e: load_adapter(run.stage / f"E{e}", self.m, run.tokenizer)[0] for e in self.adapters
+        }
+        return self.m.hf
+
+    def _meta(self, run: FinetuneRun) -> dict:
+        """The training record of every saved adapter's ``adapter.json``."""
+        rcfg, t = self.rcfg, self.training
+        return {
+            "recipe": "exit_adapter",
+            "loss": dataclasses.asdict(rcfg.loss),
+            "data": self.job.data.name,
+            "features": str(self.feature_dir),
+            "scored_positions": t["scored_positions"],
+            "epochs": t["epochs"],
+            "learning_rate": run.args.learning_rate,
+            "seconds": t["seconds"],
+            "init": rcfg.init,
+            "zero_init": rcfg.zero_init,
+        }
+
+    def after_report(self, run: FinetuneRun) -> dict:
+        final = run.out / "final"
+        summary = {
+            "adapters": {str(e): str(final / f"E{e}") for e in self.adapters},
+            "training": self.training,
+            "base_weights_unchanged": True,
+        }
+        self.index, fields = report(
+            self.m,
+            run.tokenizer,
+            self.report_set,
+            self.rcfg,
+            self.adapters,
+            self.vocab,
+            self.feature_dir,
+            run.stage,
+        )
+        return summary | fields | {"perplexity_before": run.before}
+
+    def extra_files(self, run: FinetuneRun) -> dict:
+        atomic_write_json(run.stage / INDEX_FILE, self.index)
+        return {}
+
+
+def training_stats(run: FinetuneRun, reader) -> dict:
+    """What training did: the Trainer's metrics, time, scored positions (per second) and the loss history."""
+    metrics = run.summary["metrics"]
+    seconds = float(metrics.get("train_runtime", 0.0))  # 0: a resumed run that had already finished
+    scored = sum(len(reader.read(i, ["scored"])["scored"]) for i in range(len(reader)))
+    epochs = float(metrics.get("epoch", run.trainer.state.epoch or 0.0))
+    return {
+        "metrics": dict(metrics),
+        "seconds": seconds,
+        "scored_positions": scored,
+        "epochs": epochs,
+        "scored_positions_per_s": scored * epochs / seconds if seconds > 0 else None,
+        "history": [h for h in run.trainer.state.log_history if "loss" in h],
+    }
 
 
 def run(job: TrainJob, cfg: Any = None) -> dict:
     """Cache features, train the adapters, save, report. Returns the summary (also ``summary.json``)."""
-    from transformers import set_seed
-
-    rcfg = to_dataclass(ExitAdapterConfig, job.recipe, "recipe")
-    set_seed(job.seed)
-    model, tokenizer = load_model(job.model)
-    m = EarlyExitModel(model)
-    rcfg.validate(m.num_layers)  # ExitLayerError before any data work
-    given_vocab = given_draft_vocabulary(rcfg, tokenizer, m)  # DraftVocabMismatchError, likewise
-    model.requires_grad_(False)
-    model.eval()
-    base_hash = weights_fingerprint(model, full=True)
-    out = Path(job.output_dir)
-    if cfg is not None:
-        save_resolved_config(cfg, out)
-    feature_dir = Path(rcfg.features.dir) if rcfg.features.dir else out / "features"
-    train, held_out = build_datasets(job.data, tokenizer)
-    vocab = draft_vocabulary(rcfg, train, tokenizer, m, given_vocab)
-    report_set = _report_set(rcfg, tokenizer, held_out) if rcfg.report.enabled else []
-    with torch.no_grad():  # the base model's perplexity, to compare with the one after training
-        ppl_before = model_perplexity(m, report_set, rcfg.report.held_out_examples) if report_set else None
-    sources, eos = train, None
-    if rcfg.features.source == "generate":  # the model's own answers to the training split's first user turns
-        sources, eos = (
-            generation_prompts(train, tokenizer, rcfg.features.max_prompt_tokens),
-            eos_ids(model, tokenizer),
-        )
-    reader = build_features(
-        m, tokenizer, sources, feature_dir, rcfg.features, rcfg.cached_exits(), job.data, eos=eos
-    )
-    feature_summary = reader.manifest.get("summary", {})
-
-    adapters = {e: build_adapter(m, e, rcfg.kind, rcfg.init, rcfg.zero_init) for e in rcfg.exits}
-    module = AdapterLM(m, adapters, rcfg.loss, vocab)
-    args = training_arguments(job, prediction_loss_only=True, remove_unused_columns=False)
-    dataset = FeatureDataset(reader, rcfg.exits, rcfg.loss.target)
-    trainer = AdapterTrainer(
-        model=module,
-        args=args,
-        train_dataset=dataset,
-        data_collator=functools.partial(collate_features, exits=rcfg.exits),
-    )
-    started = time.perf_counter()
-    result = trainer.train(resume_from_checkpoint=resolve_resume(job))
-    train_seconds = time.perf_counter() - started
-    scored = sum(len(reader.read(i, ["scored"])["scored"]) for i in range(len(reader)))
-    epochs = float(result.metrics.get("epoch", 0.0))
-    training = {
-        "metrics": dict(result.metrics),
-        "seconds": train_seconds,
-        "scored_positions": scored,
-        "epochs": epochs,
-        "scored_positions_per_s": scored * epochs / max(train_seconds, 1e-9),
-        "history": [h for h in trainer.state.log_history if "loss" in h],
-    }
-    if weights_fingerprint(model, full=True) != base_hash:
-        raise RuntimeError("the base model's weights changed during adapter training: they must stay frozen")
-
-    final = out / "final"
-    meta = {
-        "recipe": "exit_adapter",
-        "loss": dataclasses.asdict(rcfg.loss),
-        "data": job.data.name,
-        "features": str(feature_dir),
-        "scored_positions": scored,
-        "epochs": epochs,
-        "learning_rate": args.learning_rate,
-        "seconds": train_seconds,
-    }
-    dirs = {}
-    for e, adapter in adapters.items():
-        adapter.eval()
-        dirs[e] = save_adapter(
-            adapter,
-            final / f"E{e}",
-            m,
-            tokenizer,
-            vocab,
-            meta | {"init": rcfg.init, "zero_init": rcfg.zero_init},
-        )
-
-    summary = {
-        "final": str(final),
-        "adapters": {str(e): str(d) for e, d in dirs.items()},
-        "features": {"dir": str(feature_dir), **feature_summary},
-        "training": training,
-        "base_weights_sha256": base_hash,
-        "base_weights_unchanged": True,
-    }
-    summary |= _report(m, model, tokenizer, report_set, rcfg, adapters, vocab, feature_dir, dirs, final)
-    summary["perplexity_before"] = ppl_before
-    atomic_write_json(out / "summary.json", summary)
-    return summary
-
-
-def _report(m, model, tokenizer, report_set, rcfg, adapters, vocab, feature_dir, dirs, final) -> dict:
-    """Agreement raw vs adapter, the chosen exit (``adapters.json``), perplexity, the speed line."""
-    index = {"adapters": {str(e): f"E{e}" for e in adapters}, "chosen": None}
-    if not rcfg.report.enabled:
-        atomic_write_json(final / INDEX_FILE, index)
-        return {"chosen": None}
-    r = rcfg.report
-    prompts = [ex["prompt"] for ex in report_set if ex.get("prompt")][: r.prompts]
-    generations = cached_generations(model, tokenizer, prompts, r.max_new_tokens, feature_dir)
-    with torch.no_grad():
-        agreement = adapter_generation_report(m, adapters, generations, vocab)
-        ppl = model_perplexity(m, report_set, r.held_out_examples)
-    blocks = draft_blocks(m, adapters, vocab)
-    head = head_cost_in_blocks(m)
-    choice = choose_exit(
-        agreement["adapter"], m.num_layers, r.max_draft, r.min_speedup, head, blocks, r.verify_cost
-    )
-    raw_choice = choose_exit(
-        agreement["raw"], m.num_layers, r.max_draft, r.min_speedup, head, blocks, r.verify_cost
-    )
-    index["chosen"] = choice["exit"]
-    index["choice"] = choice
-    index["agreement"] = agreement
-    index["draft_blocks"] = blocks
-    atomic_write_json(final / INDEX_FILE, index)
-    best = choice["exit"] or (choice.get("best_found") or {}).get("exit")
-    speed = {}
-    if best is not None and r.speed_prompts > 0:
-        speed = speed_line(m, tokenizer, prompts, dirs[best], rcfg)
-    log.info("exit adapters: agreement %s, chosen %s", agreement, choice)
-    return {
-        "agreement": agreement,
-        "chosen": choice,
-        "raw_exit_choice": raw_choice,
-        "draft_blocks": blocks,
-        "perplexity": ppl,
-        "speed": speed,
-    }
+    return finetune(job, cfg, ExitAdapterRecipe(job)).summary

@@ -1,12 +1,13 @@
 """The step sequence every fine-tuning recipe runs, written once; a recipe supplies only what is its own.
 
 ``finetune(job, cfg, recipe)``: DeepSpeed batch check -> seed -> ``recipe.prepare`` (work that must fail
-before the weights load) -> ``recipe.validate`` (against the HF config) -> load the model -> ``recipe.datasets`` -> resolved config
--> ``recipe.before_report`` (main process) -> ``TrainingArguments`` -> LoRA (``peft`` group) ->
-``recipe.module`` -> ``recipe.trainer_class`` -> train (+ evaluate on the eval set) -> probe loss of the live
-model -> export (plain HF directory, LoRA merged) -> the export checked against the live model ->
-``recipe.after_report`` -> ``recipe.extra_files`` -> ``fastdecode.json`` (``recipe.describe``) -> ``summary.json``.
-The last five run on rank 0 only.
+before the weights load) -> ``recipe.validate`` (against the HF config) -> load the model -> ``recipe.loaded``
+-> ``recipe.datasets`` -> resolved config -> ``recipe.before_report`` (main process) -> ``TrainingArguments``
+(+ ``recipe.training_args``) -> LoRA (``peft`` group) -> ``recipe.module`` -> ``recipe.trainer_class`` -> train
+(+ evaluate on the eval set) -> probe loss of the live model -> ``recipe.export`` (default: plain HF
+directory, LoRA merged) -> the export checked against the live model -> ``recipe.after_report`` ->
+``recipe.extra_files`` -> ``fastdecode.json`` (``recipe.describe``) -> ``summary.json``. The last five run on
+rank 0 only.
 
 ``Recipe``'s defaults are plain supervised fine-tuning (``recipe=sft``): the HF model computes its own
 causal-LM loss from ``labels``, the plain ``Trainer``, chat collation. A new method subclasses ``Recipe`` and
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from fastdecode_recipes.common import (
     export_checkpoint,
     probe_loss,
     resolve_resume,
+    to_device,
     training_arguments,
 )
 from fastdecode_recipes.resume import train as train_or_finish
@@ -56,7 +58,7 @@ class FinetuneRun:
     out: Path  # the run directory (``job.output_dir``); the checkpoint is ``out / "final"``
     model: PreTrainedModel  # the live, trained HF model (a peft model with LoRA: adapters not merged)
     tokenizer: Any
-    train: list[dict]
+    train: Sequence[dict]  # what the Trainer trains on (examples, or a recipe's own map-style dataset)
     held_out: list[dict]
     args: TrainingArguments
     trainer: Trainer
@@ -87,8 +89,13 @@ class Recipe:
         """Check the recipe config against the model's HF config (read without its weights: a bad value
         fails before a 7B model loads)."""
 
-    def datasets(self, tokenizer: Any) -> tuple[list[dict], list[dict]]:
-        """``(train, held_out)`` examples; held-out examples feed the eval set and the reports."""
+    def loaded(self, model: PreTrainedModel, tokenizer: Any) -> None:
+        """The model has just loaded, before any data work (a recipe that trains beside a frozen model
+        freezes and fingerprints it here, and keeps it for work on it in ``datasets``)."""
+
+    def datasets(self, tokenizer: Any) -> tuple[Sequence[dict], list[dict]]:
+        """``(train, held_out)``: the Trainer's training set (examples, or any map-style dataset whose items
+        the collator batches) and held-out examples, which feed the eval set and the reports."""
         return build_datasets(self.job.data, tokenizer)
 
     def eval_dataset(self, held_out: list[dict]) -> list[dict] | None:
@@ -98,6 +105,10 @@ class Recipe:
     def collator(self, tokenizer: Any, model: PreTrainedModel) -> Collator:
         """Batches of examples -> model inputs (``[B, T]`` tensors)."""
         return functools.partial(collate, pad_id=tokenizer.pad_token_id, mask_dtype=model.dtype)
+
+    def training_args(self) -> dict[str, Any]:
+        """``TrainingArguments`` fields the recipe sets itself (over the trainer group's)."""
+        return {}
 
     def module(self, model: PreTrainedModel, args: TrainingArguments) -> nn.Module:
         """The module the Trainer trains around ``model`` (its forward returns ``{"loss": ...}``).
@@ -117,6 +128,14 @@ class Recipe:
     def before_report(self, model: PreTrainedModel, tokenizer: Any, held_out: list[dict]) -> Any:
         """A measurement of the untrained model (main process only), passed on as ``run.before``."""
         return None
+
+    def export(self, run: FinetuneRun) -> PreTrainedModel | None:
+        """Save what was trained into ``run.stage`` (every rank calls it: ZeRO-3 gathers the partitions);
+        returns, on rank 0, the model ``module`` is rebuilt around to check the export (None elsewhere).
+
+        The default: the trained weights as a plain HF directory (LoRA merged), loaded back as a fresh model.
+        """
+        return export_checkpoint(run.trainer, run.model, run.tokenizer, self.job.peft, run.stage)
 
     def after_report(self, run: FinetuneRun) -> dict[str, Any]:
         """The measurement of the exported model (rank 0): summary fields."""
@@ -149,12 +168,13 @@ def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
     recipe.prepare()
     recipe.validate(model_config(job.model))
     model, tokenizer = load_model(job.model)
+    recipe.loaded(model, tokenizer)
     train, held_out = recipe.datasets(tokenizer)
     out = Path(job.output_dir)
     if cfg is not None:
         save_resolved_config(cfg, out)
     before = recipe.before_report(model, tokenizer, held_out) if is_main_process() else None
-    args = training_arguments(job, prediction_loss_only=True)
+    args = training_arguments(job, prediction_loss_only=True, **recipe.training_args())
     model = apply_peft(model, job.peft, args.gradient_checkpointing)
     eval_set, collator = recipe.eval_dataset(held_out), recipe.collator(tokenizer, model)
     trainer = recipe.trainer_class(
@@ -179,12 +199,13 @@ def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
         before=before,
     )
     run.summary = {"checkpoint": str(out / "final"), "metrics": metrics} | recipe.summary()
-    probe = collator((eval_set or train)[:2])
+    probe_set = eval_set or train
+    probe = collator([probe_set[i] for i in range(min(2, len(probe_set)))])
     live_loss = probe_loss(trainer, probe)  # every rank: ZeRO-3 gathers the partitions for this forward
     # final/ appears whole, with the recipe's files, or not at all (a kill during the export leaves the old one)
     with atomic_directory(out / "final", main_process=is_main_process(), fault="export") as stage:
         run.stage = stage
-        run.final = export_checkpoint(trainer, model, tokenizer, job.peft, stage)
+        run.final = recipe.export(run)
         if run.final is not None:  # rank 0
             run.summary["export_check"] = _check_export(recipe, run, probe, live_loss)
             run.summary |= recipe.after_report(run)
@@ -200,6 +221,8 @@ def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
 def _check_export(recipe: Recipe, run: FinetuneRun, probe: dict, live_loss: float) -> dict:
     """The exported checkpoint, inside the recipe's own module, must reproduce the live model's loss on the
     probe batch (catches partial ZeRO-3 saves and lost LoRA merges)."""
+    module = recipe.module(run.final, run.args).eval()
+    device = next(module.parameters()).device  # the default export is on the CPU, a recipe's may not be
     with torch.no_grad():
-        saved = float(recipe.module(run.final, run.args).eval()(**probe)["loss"])
+        saved = float(module(**to_device(probe, device))["loss"])
     return compare_export(saved, live_loss, run.model.dtype)

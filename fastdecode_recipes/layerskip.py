@@ -9,17 +9,14 @@ run at any batch size; ``generate(assistant_early_exit=E)`` self-speculates with
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
-from fastdecode.data.chat import build_datasets, user_prompt_ids
+from fastdecode.data.chat import build_datasets
 from fastdecode.data.config import DataConfig
 from fastdecode.data.draft_vocab import draft_vocab_from_examples
-from fastdecode.decoding import DecodeConfig, get_decoder
 from fastdecode.distributed import world_size
 from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE, save_draft_vocab
 from fastdecode.exit_report import choose_exit, exit_report, head_cost_in_blocks, plot_reports
@@ -27,6 +24,7 @@ from fastdecode.io import atomic_write_json
 from fastdecode.model import EarlyExitModel
 from fastdecode_recipes.common import TrainJob
 from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
+from fastdecode_recipes.speed import speed_line
 from layerskip_train.config import LayerSkipConfig
 from layerskip_train.early_exit_loss import CURRICULUM_ALIASES, active_exits, scale_weights
 from layerskip_train.layer_dropout import dropout_rates, parse_layers
@@ -168,35 +166,15 @@ def _best_found(choice: dict) -> int | None:
 def _speed_line(
     final, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, exit_layer: int | None
 ) -> dict:
-    """Time self-speculation (adaptive policy) at ``exit_layer`` against autoregressive decoding on a few
-    held-out prompts, print one line, return the numbers (empty when there is no exit or no prompt)."""
-    r = rcfg.report
-    prompts = [ex["prompt"] for ex in held_out if ex.get("prompt")][: r.speed_prompts]
-    if exit_layer is None or not prompts:
+    """The closing speed line at ``exit_layer`` on a few held-out prompts (empty without an exit)."""
+    if exit_layer is None:
         return {}
-    ids = [user_prompt_ids(tokenizer, p) for p in prompts]
-    m = EarlyExitModel(final)
-    base = DecodeConfig(max_new_tokens=r.speed_new_tokens, eos_token_id=tokenizer.eos_token_id)
-    spec = dataclasses.replace(base, exit_layer=exit_layer, policy="adaptive", draft_tokens=r.max_draft)
-    result = {}
-    for name, cfg in (("autoregressive", base), ("self_speculative", spec)):
-        get_decoder(name)(m, ids[:1], dataclasses.replace(cfg, max_new_tokens=2))  # warm-up
-        start = time.perf_counter()
-        outs = [get_decoder(name)(m, [p], cfg) for p in ids]
-        seconds = time.perf_counter() - start
-        tokens = sum(o.num_tokens for o in outs)
-        result[name] = {"tokens_per_s": tokens / seconds, "tokens": tokens}
-    accepted = sum(sum(o.accepted) for o in outs) / max(1, sum(sum(o.drafted) for o in outs))
-    result |= {"exit": exit_layer, "acceptance": accepted}
-    result["speedup"] = result["self_speculative"]["tokens_per_s"] / result["autoregressive"]["tokens_per_s"]
-    line = (
-        f"self-speculation at E={exit_layer}: {result['self_speculative']['tokens_per_s']:.1f} tok/s vs "
-        f"autoregressive {result['autoregressive']['tokens_per_s']:.1f} tok/s ({result['speedup']:.2f}x, "
-        f"acceptance {accepted:.2f}; {len(ids)} held-out prompts, greedy, batch 1)"
+    prompts = [ex["prompt"] for ex in held_out if ex.get("prompt")]
+    drafting = {"exit_layer": exit_layer}
+    result = speed_line(
+        EarlyExitModel(final), tokenizer, prompts, rcfg.report, drafting, f"at E={exit_layer}"
     )
-    log.info(line)
-    print(line)
-    return result
+    return result | {"exit": exit_layer} if result else {}
 
 
 def _write_draft_vocab(

@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import fastdecode_recipes
-from fastdecode.config import CONFIG_DIR
+from fastdecode.config import CONFIG_DIR, ConfigError
 from fastdecode.decoding import DECODERS, DecodeConfig
 from fastdecode.exit_adapter import DraftVocabMismatchError, ExitLayerError, read_meta
 from fastdecode.identity import weights_fingerprint
@@ -106,3 +106,31 @@ def test_bad_exits_and_draft_vocabularies_fail_before_any_work(tmp_path, monkeyp
     bad.write_text(json.dumps({"vocab_size": 32000, "size": 2, "ids": [1, 2]}))
     with pytest.raises(DraftVocabMismatchError, match="32000 ids but this tokenizer has 261"):
         fastdecode_recipes.run(adapter_cfg(tmp_path, f"recipe.draft_vocab={bad}"))
+
+
+def test_a_run_resumes_from_its_checkpoint_and_exports_only_the_adapters(tmp_path):
+    fast = ("recipe.report.enabled=false", "resume_from_checkpoint=auto")
+    first = fastdecode_recipes.run(adapter_cfg(tmp_path, "trainer.max_steps=2", *fast))
+    run = tmp_path / "run"
+    assert (run / "checkpoint-2").is_dir() and first["training"]["metrics"]["train_steps_per_second"] > 0
+    resumed = fastdecode_recipes.run(adapter_cfg(tmp_path, *fast))  # max_steps=4: steps 3 and 4 only
+    steps = [h["step"] for h in resumed["training"]["history"]]
+    assert steps == [1, 2, 3, 4] and (run / "checkpoint-4").is_dir()
+    assert resumed["export_check"]["abs_diff"] == 0  # the saved adapters, loaded back, are the trained ones
+    # A finished run resumed: nothing is trained again; the export and the summary are redone.
+    again = fastdecode_recipes.run(adapter_cfg(tmp_path, *fast))
+    assert (
+        again["metrics"]["train_steps_this_run"] == 0 and again["training"]["scored_positions_per_s"] is None
+    )
+    for e in ("E1", "E2"):
+        assert read_meta(run / "final" / e)["exit_layer"] == int(e[1:])
+    # final/ holds the adapters and the run's description, never base weights
+    names = {p.name for p in (run / "final").iterdir()}
+    assert names == {"E1", "E2", "adapters.json", "fastdecode.json", ".fastdecode-complete.json"}
+    assert json.loads((run / "final" / "fastdecode.json").read_text())["recipe"] == "exit_adapter"
+
+
+def test_lora_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr("fastdecode_recipes.finetune.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    with pytest.raises(ConfigError, match="set peft=none"):
+        fastdecode_recipes.run(adapter_cfg(tmp_path, "peft=lora"))

@@ -1,0 +1,94 @@
+"""The exit adapters' report (``recipe=exit_adapter``): raw exit vs adapter agreement on the frozen model's own
+greedy generations, the head-aware exit choice (``adapters.json``), perplexity, and the closing speed line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adapter_train.config import ExitAdapterConfig
+from fastdecode.exit_adapter import ExitAdapter
+from fastdecode.exit_report import (
+    adapter_generation_report,
+    choose_exit,
+    greedy_generations,
+    head_cost_in_blocks,
+    model_perplexity,
+)
+from fastdecode.identity import weights_fingerprint
+from fastdecode.io import atomic_write_json
+from fastdecode.model import EarlyExitModel
+from fastdecode_recipes.speed import speed_line
+
+log = logging.getLogger(__name__)
+
+
+def cached_generations(model, tokenizer, prompts: list[str], max_new_tokens: int, directory: Path) -> list:
+    """The frozen model's greedy generations of ``prompts``, computed once per model and stored in
+    ``directory`` (the model never changes in this recipe, so every run may reuse them)."""
+    key = json.dumps([weights_fingerprint(model), prompts, max_new_tokens])
+    path = directory / f"generations-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if path.is_file():
+        return [(ids, n) for ids, n in json.loads(path.read_text())]
+    generations = greedy_generations(model, tokenizer, prompts, max_new_tokens)
+    atomic_write_json(path, generations)
+    return generations
+
+
+def draft_blocks(m: EarlyExitModel, adapters: dict, vocab) -> dict[int, float]:
+    """A drafted token's cost in blocks per exit: E blocks, the adapter, the drafter's head (its rows)."""
+    block = sum(p.numel() for p in m.layers[0].parameters())
+    head = m.step_cost(depth=0, head_rows=None if vocab is None else len(vocab)) / block
+    return {e: e + a.cost_in_blocks(m) + head for e, a in adapters.items()}
+
+
+def report(
+    m: EarlyExitModel,
+    tokenizer: Any,
+    report_set: list[dict],
+    rcfg: ExitAdapterConfig,
+    adapters: dict[int, ExitAdapter],
+    vocab: torch.Tensor | None,
+    feature_dir: Path,
+    stage: Path,
+) -> tuple[dict, dict]:
+    """``(adapters.json, summary fields)``: agreement raw vs adapter on the model's own greedy generations
+    (cached in ``feature_dir``), the chosen exit, perplexity, the speed line through the best adapter (read
+    from the export's staging directory ``stage``). ``vocab``: the draft vocabulary ``[S]`` or None."""
+    index = {"adapters": {str(e): f"E{e}" for e in adapters}, "chosen": None}
+    if not rcfg.report.enabled:
+        return index, {"chosen": None}
+    r = rcfg.report
+    prompts = [ex["prompt"] for ex in report_set if ex.get("prompt")][: r.prompts]
+    generations = cached_generations(m.hf, tokenizer, prompts, r.max_new_tokens, feature_dir)
+    with torch.no_grad():
+        agreement = adapter_generation_report(m, adapters, generations, vocab)
+        ppl = model_perplexity(m, report_set, r.held_out_examples)
+    blocks = draft_blocks(m, adapters, vocab)
+    head = head_cost_in_blocks(m)
+    choice = choose_exit(
+        agreement["adapter"], m.num_layers, r.max_draft, r.min_speedup, head, blocks, r.verify_cost
+    )
+    raw_choice = choose_exit(
+        agreement["raw"], m.num_layers, r.max_draft, r.min_speedup, head, blocks, r.verify_cost
+    )
+    index |= {"chosen": choice["exit"], "choice": choice, "agreement": agreement, "draft_blocks": blocks}
+    best = choice["exit"] or (choice.get("best_found") or {}).get("exit")
+    speed = {}
+    if best is not None and r.speed_prompts > 0:
+        adapter = {"adapter": str(stage / f"E{best}")}
+        speed = speed_line(m, tokenizer, prompts, r, adapter, f"through the exit adapter (E{best})")
+    log.info("exit adapters: agreement %s, chosen %s", agreement, choice)
+    return index, {
+        "agreement": agreement,
+        "chosen": choice,
+        "raw_exit_choice": raw_choice,
+        "draft_blocks": blocks,
+        "perplexity": ppl,
+        "speed": speed,
+    }
