@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
-from fastdecode.config import ModelConfig, load_group
-from fastdecode.loading import load_model
+from tests.helpers import tiny_model
 
 TINY_MODELS = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-opt"]
 # Execution paths the equality tests run on (DecodeConfig fields, fastdecode/engine.py): the HF modules on the
@@ -29,19 +25,12 @@ ENGINES = {
 }
 
 
-@functools.cache
-def _tiny(name: str):
-    torch.use_deterministic_algorithms(False)
-    model, tokenizer = load_model(load_group("model", name, ModelConfig, dtype="float32", device="cpu"))
-    return model, tokenizer
-
-
 @pytest.fixture(params=TINY_MODELS)
 def tiny(request):
     """(hf_model, tokenizer) of one tiny family, fp32 on the CPU, shared across tests (do not train it)."""
-    return _tiny(request.param)
+    return tiny_model(request.param)
 
 
 @pytest.fixture
 def tiny_llama():
-    return _tiny("tiny-llama")
+    return tiny_model("tiny-llama")

@@ -1,5 +1,7 @@
-"""Builders shared by several test modules: tiny models with lively weights, random prompts, exact target
-distributions and chi-square p-values for the sampling tests, a chat jsonl, a free port."""
+"""Builders shared by several test modules: the tiny models (cached), tiny models with lively weights, draft
+models, random adapters, random prompts and examples, synthetic CLLM records, exact target distributions and
+chi-square p-values for the sampling tests, a chat jsonl, a free port. Composed job configs are in
+``tests/job_configs.py``, fake PyPI assets in ``tests/fake_assets.py``."""
 
 from __future__ import annotations
 
@@ -8,16 +10,20 @@ import functools
 import itertools
 import json
 import math
+import random
 import socket
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from cllm_train.records import first_mismatch, validate_record
+from fastdecode.config import ModelConfig, load_group
 from fastdecode.decoding import DecodeConfig
 from fastdecode.decoding.common import probabilities
+from fastdecode.exit_adapter import build_adapter, save_adapter
+from fastdecode.loading import load_model
 from fastdecode.model import EarlyExitModel
-from tests.conftest import _tiny
 
 
 def write_chat_jsonl(path: Path, n: int = 32) -> Path:
@@ -44,7 +50,7 @@ def lively_model(name: str, upper_scale: float = 1.0, zero_from: int | None = No
     ``upper_scale`` shrinks what layers >= 1 write into the residual stream, so early exits agree with the
     final output often (acceptance ~0.5-0.8); ``zero_from=E`` zeroes it for layers >= E (exit E == output).
     """
-    model = copy.deepcopy(_tiny(name)[0])
+    model = copy.deepcopy(tiny_model(name)[0])
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
@@ -126,3 +132,135 @@ def pair_pvalues(tokens: list[list[int]], joint: torch.Tensor) -> list[float]:
         )
         pvalues.append(chi2_pvalue(observed, expected))
     return pvalues
+
+
+@functools.cache
+def tiny_model(name: str):
+    """``(hf_model, tokenizer)`` of a tiny random-init model (``configs/model/<name>.yaml``), fp32 on the CPU,
+    shared by every test (do not train it)."""
+    torch.use_deterministic_algorithms(False)
+    model, tokenizer = load_model(load_group("model", name, ModelConfig, dtype="float32", device="cpu"))
+    return model, tokenizer
+
+
+def assisted_target() -> EarlyExitModel:
+    """The tiny Llama target: 4 layers whose upper layers write little, so shallow copies draft well."""
+    return lively_model("tiny-llama", 0.1)
+
+
+@functools.cache
+def draft_model(kind: str) -> EarlyExitModel:
+    """``copy``: a 2-layer tiny Llama holding the target's embeddings, first two layers and head (so it
+    drafts exactly like self-speculation with E=2). ``window``: the same weights in a 2-layer tiny *Mistral*
+    (sliding window 16: windows across holes in the drafter's cache). ``other``: an unrelated 1-layer tiny
+    Qwen2 of width 32 (attention biases): acceptance near 0, every rejection path."""
+    name, overrides = {
+        "copy": ("tiny-llama", {"num_hidden_layers": 2}),
+        "window": ("tiny-mistral", {"num_hidden_layers": 2}),
+        "other": ("tiny-qwen2", {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64}),
+    }[kind]
+    base = load_group("model", name, ModelConfig)
+    cfg = load_group(
+        "model",
+        name,
+        ModelConfig,
+        dtype="float32",
+        device="cpu",
+        random_init={**base.random_init, **overrides},
+    )
+    model, _ = load_model(cfg)
+    with torch.no_grad():
+        if kind in ("copy", "window"):
+            missing = model.load_state_dict(assisted_target().hf.state_dict(), strict=False).missing_keys
+            assert not missing  # only the target's layers >= 2 are left over
+        else:
+            gen = torch.Generator().manual_seed(1)
+            for param in model.parameters():
+                if param.dim() == 2:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return EarlyExitModel(model)
+
+
+@functools.cache
+def tiny_vocab_draft() -> EarlyExitModel:
+    """An unrelated 1-layer drafter over the 8-token vocabulary of ``tiny_vocab_model``."""
+    config = LlamaConfig(
+        vocab_size=8,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,  # shorter than the target's 64
+        initializer_range=0.15,
+    )
+    torch.manual_seed(1)
+    return EarlyExitModel(LlamaForCausalLM(config).eval())
+
+
+def random_examples(n: int = 6, length: int = 12) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        ids = torch.randint(5, 250, (length + i,), generator=gen).tolist()
+        out.append({"input_ids": ids, "labels": [-100] * 4 + ids[4:]})
+    return out
+
+
+def perturbed_adapter(m: EarlyExitModel, exit_layer: int, kind: str, seed: int = 0, std: float = 0.05):
+    """A random, untrained adapter: a copied layer plus noise, so its drafts differ from the raw exit's."""
+    adapter = build_adapter(m, exit_layer, kind, "exit" if exit_layer % 2 else "last")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in adapter.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * std)
+    return adapter
+
+
+def tiny_llama_adapter(tmp_path: Path, exit_layer: int, kind: str = "block") -> str:
+    """A random adapter for the shared tiny-llama (what ``model=tiny-llama`` loads), saved under tmp_path."""
+    model, tokenizer = tiny_model("tiny-llama")
+    m = EarlyExitModel(model)
+    adapter = perturbed_adapter(m, exit_layer, kind, std=0.02)
+    return str(save_adapter(adapter, tmp_path / f"adapter-E{exit_layer}", m, tokenizer))
+
+
+def sharegpt_conversation(i: int, n_turns: int = 2) -> dict:
+    turns = [
+        {"from": "human" if k % 2 == 0 else "gpt", "value": f"turn {k} of conv {i} ✓"} for k in range(n_turns)
+    ]
+    return {"id": f"c{i}", "conversations": turns}
+
+
+def synthetic_records(prompts: int = 6, n: int = 4, seed: int = 0, labels: bool = True) -> list[dict]:
+    """Schema-valid trajectory records: two blocks per prompt, 0-3 non-fixed states each, ids in [5, 261)."""
+    rng = random.Random(seed)
+
+    def ids(k: int) -> list[int]:
+        return [rng.randrange(5, 261) for _ in range(k)]
+
+    records = []
+    for p in range(prompts):
+        prompt, reply = ids(rng.randint(3, 8)), ids(rng.randint(4, 10))
+        prefix = list(prompt)
+        for block in range(2):
+            fixed = ids(n)
+            states = []
+            for m in sorted(rng.sample(range(n), rng.randint(0, 3))):  # increasing first mismatches
+                wrong = fixed[m] + 1 if fixed[m] < 260 else 5
+                states.append(fixed[:m] + [wrong] + ids(n - m - 1))
+            states.append(fixed)
+            rec = {
+                "prompt_id": f"p{p}",
+                "block": block,
+                "prefix": list(prefix),
+                "states": states,
+                "first_mismatch": [first_mismatch(s, fixed) for s in states],
+                "fixed_point": fixed,
+                "eos": False,
+                "labels": reply if labels else None,
+                "prompt_len": len(prompt),
+            }
+            records.append(validate_record(rec))
+            prefix += fixed
+    return records

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,31 +20,19 @@ from fastdecode.assets import (
     model_load_path,
     pypi_model_dir,
 )
-from fastdecode.config import ConfigError, ModelConfig, PypiAsset
-
-PKG, VERSION, MEMBER = "fake-asset", "0.1.0", "fake_asset/data/hello.bin"
-PAYLOAD = bytes(range(256)) * 512  # 128 KiB, so a truncated or flipped wheel really is damaged
-
-
-def make_wheel(folder: Path, compression: int = zipfile.ZIP_STORED) -> Path:
-    """A minimal but valid wheel of ``fake-asset==0.1.0`` (pip accepts it from --find-links)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    dist = f"fake_asset-{VERSION}.dist-info"
-    path = folder / f"fake_asset-{VERSION}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w", compression=compression) as zf:
-        zf.writestr("fake_asset/__init__.py", "")
-        zf.writestr(MEMBER, PAYLOAD)
-        zf.writestr("fake_asset/data/other.txt", "other")
-        zf.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {PKG}\nVersion: {VERSION}\n")
-        zf.writestr(
-            f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-        )
-        zf.writestr(f"{dist}/RECORD", "")
-    return path
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+from fastdecode.config import ConfigError, ModelConfig
+from tests.fake_assets import (
+    MEMBER,
+    PAYLOAD,
+    PKG,
+    VERSION,
+    fake_asset,
+    fake_conversion,
+    make_wheel,
+    pip_env,
+    pypi_model_cfg,
+    sha256_of,
+)
 
 
 def leftovers(folder: Path) -> list[str]:
@@ -69,20 +56,10 @@ def wheelhouse(tmp_path, monkeypatch) -> Path:
     return house
 
 
-def _pip_env(monkeypatch, find_links: Path) -> None:
-    """pip sees no index and no config files (the machine's pip.conf adds find-links), only ``find_links``."""
-    find_links.mkdir(parents=True, exist_ok=True)
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(find_links))
-    for var in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT"):
-        monkeypatch.delenv(var, raising=False)
-
-
 @pytest.fixture
 def offline(tmp_path, monkeypatch) -> None:
     """``pip download`` fails fast: nothing to find anywhere."""
-    _pip_env(monkeypatch, tmp_path / "empty-links")
+    pip_env(monkeypatch, tmp_path / "empty-links")
 
 
 @pytest.fixture
@@ -90,12 +67,8 @@ def local_index(tmp_path, monkeypatch) -> Path:
     """``pip download`` works, from a local folder holding the fake wheel (a stand-in for PyPI)."""
     links = tmp_path / "links"
     make_wheel(links)
-    _pip_env(monkeypatch, links)
+    pip_env(monkeypatch, links)
     return links
-
-
-def asset(sha256: str | None = None, member: str = MEMBER) -> PypiAsset:
-    return PypiAsset(package=PKG, version=VERSION, member=member, sha256=sha256)
 
 
 # ---------------------------------------------------------------------------------------------------------- unit
@@ -111,15 +84,15 @@ def test_cache_dir_env_and_default(tmp_path, monkeypatch):
 
 def test_fetch_from_wheelhouse_verifies_sha256(cache, wheelhouse, offline):
     src = next(wheelhouse.iterdir())
-    got = fetch_wheel(asset(sha(src)))
-    assert got.parent == cache / "wheels" and got.name == src.name and sha(got) == sha(src)
+    got = fetch_wheel(fake_asset(sha256_of(src)))
+    assert got.parent == cache / "wheels" and got.name == src.name and sha256_of(got) == sha256_of(src)
     assert leftovers(cache / "wheels") == [src.name]
-    assert fetch_wheel(asset(sha(src))) == got  # second call: from the cache
+    assert fetch_wheel(fake_asset(sha256_of(src))) == got  # second call: from the cache
 
 
 def test_wheelhouse_wheel_with_wrong_sha256_is_not_used(cache, wheelhouse, offline):
     with pytest.raises(AssetError, match="could not be downloaded"):
-        fetch_wheel(asset("0" * 64))
+        fetch_wheel(fake_asset("0" * 64))
     assert leftovers(cache / "wheels") == []
     assert len(list(wheelhouse.iterdir())) == 1  # the user's wheelhouse is never modified
 
@@ -128,7 +101,7 @@ def test_wheelhouse_wheel_with_wrong_sha256_is_not_used(cache, wheelhouse, offli
 @pytest.mark.parametrize("with_sha", [True, False])
 def test_damaged_cached_wheel_is_replaced_from_wheelhouse(cache, wheelhouse, offline, damage, with_sha):
     good = next(wheelhouse.iterdir())
-    spec = asset(sha(good) if with_sha else None)
+    spec = fake_asset(sha256_of(good) if with_sha else None)
     cached = fetch_wheel(spec)
     data = bytearray(cached.read_bytes())
     if damage == "flip":
@@ -139,16 +112,18 @@ def test_damaged_cached_wheel_is_replaced_from_wheelhouse(cache, wheelhouse, off
     cached.write_bytes(bytes(data))
     assert assets._wheel_problem(cached, spec) is not None
     again = fetch_wheel(spec)
-    assert again == cached and sha(again) == sha(good)
+    assert again == cached and sha256_of(again) == sha256_of(good)
 
 
 def test_damaged_cached_wheel_is_downloaded_again(cache, local_index):
     good = next(local_index.iterdir())
-    cached = fetch_wheel(asset(sha(good)))  # a real `pip download`, from the local find-links folder
-    assert sha(cached) == sha(good)
+    cached = fetch_wheel(
+        fake_asset(sha256_of(good))
+    )  # a real `pip download`, from the local find-links folder
+    assert sha256_of(cached) == sha256_of(good)
     cached.write_bytes(cached.read_bytes()[:-100])  # truncated: the zip's central directory is gone
-    again = fetch_wheel(asset(sha(good)))
-    assert sha(again) == sha(good)
+    again = fetch_wheel(fake_asset(sha256_of(good)))
+    assert sha256_of(again) == sha256_of(good)
     assert leftovers(cache / "wheels") == [good.name]
 
 
@@ -157,14 +132,14 @@ def test_deflated_wheel_with_flipped_bytes_is_corrupt_without_sha(tmp_path):
     data = bytearray(wheel.read_bytes())
     data[200:210] = bytes(b ^ 0xFF for b in data[200:210])
     wheel.write_bytes(bytes(data))
-    assert assets._wheel_problem(wheel, asset()) is not None
+    assert assets._wheel_problem(wheel, fake_asset()) is not None
 
 
 def test_fresh_download_with_wrong_sha256_names_both_hashes(cache, local_index):
     good = next(local_index.iterdir())
     with pytest.raises(AssetError) as err:
-        fetch_wheel(asset("ab" * 32))
-    assert "ab" * 32 in str(err.value) and sha(good) in str(err.value)
+        fetch_wheel(fake_asset("ab" * 32))
+    assert "ab" * 32 in str(err.value) and sha256_of(good) in str(err.value)
     assert leftovers(cache / "wheels") == []
 
 
@@ -172,7 +147,7 @@ def test_offline_without_cache_fails_fast_with_a_fix(cache, offline, monkeypatch
     monkeypatch.setenv("FASTDECODE_WHEELHOUSE", str(cache.parent / "no-such-wheelhouse"))
     start = time.perf_counter()
     with pytest.raises(AssetError) as err:
-        ensure_pypi_file(asset())
+        ensure_pypi_file(fake_asset())
     elapsed = time.perf_counter() - start
     msg = str(err.value)
     assert f"{PKG}=={VERSION}" in msg
@@ -185,7 +160,7 @@ def test_offline_without_cache_fails_fast_with_a_fix(cache, offline, monkeypatch
 
 
 def test_ensure_pypi_file_extracts_once(cache, wheelhouse, offline, monkeypatch):
-    path = ensure_pypi_file(asset(sha(next(wheelhouse.iterdir()))))
+    path = ensure_pypi_file(fake_asset(sha256_of(next(wheelhouse.iterdir()))))
     assert path == cache / "files" / f"{PKG}-{VERSION}" / "fake_asset" / "data" / "hello.bin"
     assert path.read_bytes() == PAYLOAD
     assert leftovers(path.parent) == ["hello.bin"]  # no temporaries beside it
@@ -194,12 +169,12 @@ def test_ensure_pypi_file_extracts_once(cache, wheelhouse, offline, monkeypatch)
         raise AssertionError("the wheel must not be touched once the file is extracted")
 
     monkeypatch.setattr(assets, "fetch_wheel", no_wheel)
-    assert ensure_pypi_file(asset()) == path
+    assert ensure_pypi_file(fake_asset()) == path
 
 
 def test_missing_member_lists_similar_ones(cache, wheelhouse, offline):
     with pytest.raises(AssetError) as err:
-        ensure_pypi_file(asset(member="fake_asset/data/helo.bin"))
+        ensure_pypi_file(fake_asset(member="fake_asset/data/helo.bin"))
     msg = str(err.value)
     assert "fake_asset/data/helo.bin" in msg and MEMBER in msg and "pypi.member" in msg
     assert leftovers(cache / "files") == []
@@ -208,16 +183,7 @@ def test_missing_member_lists_similar_ones(cache, wheelhouse, offline):
 @pytest.mark.parametrize("member", ["../evil.txt", "/etc/passwd", "a/../../b"])
 def test_member_must_stay_inside_the_cache(cache, member):
     with pytest.raises(AssetError, match="relative path"):
-        ensure_pypi_file(asset(member=member))
-
-
-def _pypi_cfg(sha256: str | None = "0123456789abcdef" * 4) -> ModelConfig:
-    return ModelConfig(
-        name="tiny",
-        family="llama",
-        source="pypi",
-        pypi=PypiAsset(package=PKG, version=VERSION, member="fake_asset/m.gguf", sha256=sha256),
-    )
+        ensure_pypi_file(fake_asset(member=member))
 
 
 def test_model_load_path_by_source(cache, monkeypatch):
@@ -229,55 +195,42 @@ def test_model_load_path_by_source(cache, monkeypatch):
     with pytest.raises(ConfigError, match="random"):
         model_load_path(rnd)
     monkeypatch.setattr(assets, "pypi_model_dir", lambda cfg: Path("/x/y"))
-    assert model_load_path(_pypi_cfg()) == "/x/y"
+    assert model_load_path(pypi_model_cfg()) == "/x/y"
 
 
 def test_pypi_model_dir_needs_a_gguf_member(cache):
-    cfg = _pypi_cfg()
+    cfg = pypi_model_cfg()
     cfg.pypi.member = "fake_asset/data/hello.bin"
     with pytest.raises(ConfigError, match="gguf"):
         pypi_model_dir(cfg)
 
 
-def _fake_conversion(monkeypatch, calls: list[Path], fail: bool = False) -> None:
-    monkeypatch.setattr(assets, "ensure_pypi_file", lambda a: Path("/fake/m.gguf"))
-
-    def convert(gguf: Path, out: Path) -> None:
-        calls.append(out)
-        (out / "config.json").write_text("{}")
-        if fail:
-            raise RuntimeError("conversion crashed")
-        (out / "model.safetensors").write_bytes(b"weights")
-
-    monkeypatch.setattr(assets, "_convert_gguf", convert)
-
-
 def test_pypi_model_dir_converts_once_atomically(cache, monkeypatch):
     calls: list[Path] = []
-    _fake_conversion(monkeypatch, calls)
-    cfg = _pypi_cfg()
+    fake_conversion(monkeypatch, calls)
+    cfg = pypi_model_cfg()
     first = pypi_model_dir(cfg)
     assert first == cache / "models" / "tiny-0123456789ab"
     assert (first / "model.safetensors").read_bytes() == b"weights"
     assert json.loads((first / assets.MARKER).read_text())["package"] == PKG
     assert pypi_model_dir(cfg) == first and len(calls) == 1
-    assert pypi_model_dir(_pypi_cfg(sha256=None)) == cache / "models" / f"tiny-{VERSION}"
+    assert pypi_model_dir(pypi_model_cfg(sha256=None)) == cache / "models" / f"tiny-{VERSION}"
 
 
 def test_pypi_model_dir_without_marker_is_converted_again(cache, monkeypatch):
     calls: list[Path] = []
-    _fake_conversion(monkeypatch, calls)
+    fake_conversion(monkeypatch, calls)
     stale = cache / "models" / "tiny-0123456789ab"
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("half")  # e.g. copied by hand, no completion marker
-    assert pypi_model_dir(_pypi_cfg()) == stale and len(calls) == 1
+    assert pypi_model_dir(pypi_model_cfg()) == stale and len(calls) == 1
     assert (stale / "model.safetensors").is_file() and (stale / "config.json").read_text() == "{}"
 
 
 def test_failed_conversion_leaves_nothing_behind(cache, monkeypatch):
-    _fake_conversion(monkeypatch, [], fail=True)
+    fake_conversion(monkeypatch, [], fail=True)
     with pytest.raises(RuntimeError, match="crashed"):
-        pypi_model_dir(_pypi_cfg())
+        pypi_model_dir(pypi_model_cfg())
     assert [p for p in leftovers(cache / "models") if not p.endswith(".lock")] == []
 
 

@@ -16,7 +16,7 @@ from fastdecode.checkpoint_info import checkpoint_model, recommended_exit, write
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, load_group, to_dataclass
 from fastdecode_cli.launch import check_command_line, checkpoint_is_model
 from fastdecode_recipes.common import load_job
-from tests.conftest import _tiny
+from tests.helpers import tiny_model
 
 
 def _compose(config: str, *overrides: str):
@@ -27,7 +27,7 @@ def _compose(config: str, *overrides: str):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """tiny-llama exported as ``<run>/final`` with the sidecar a recipe writes (base model, exit, label)."""
-    model, tokenizer = _tiny("tiny-llama")
+    model, tokenizer = tiny_model("tiny-llama")
     out = tmp_path_factory.mktemp("run") / "layerskip-tiny-llama" / "final"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -154,8 +154,9 @@ def test_every_model_field_overrides_without_plus(field, value):
 
 
 def test_every_model_yaml_declares_every_field():
-    from fastdecode.config import group_choices
     from omegaconf import OmegaConf
+
+    from fastdecode.config import group_choices
 
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     for name in group_choices("model"):
@@ -171,7 +172,7 @@ def test_null_switches_exit_losses_and_dropout_off():
     assert rcfg.early_exit_loss.layers == [] and rcfg.layer_dropout.prob == 0.0
     from layerskip_train.module import EarlyExitLM
 
-    lm = EarlyExitLM(_tiny("tiny-llama")[0], rcfg, seed=0, total_steps=4)
+    lm = EarlyExitLM(tiny_model("tiny-llama")[0], rcfg, seed=0, total_steps=4)
     assert all(lm.exits_at(step) == [3] for step in range(4))  # only the model's own output
     lm.train()
     assert lm.drops_at(0, 0, 2) is None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
@@ -13,43 +12,9 @@ from cllm_train.config import CLLMConfig
 from cllm_train.dataset import build_examples, collate, draw_states, state_uniforms
 from cllm_train.losses import ar_loss, consistency_loss, consistency_positions
 from cllm_train.module import ConsistencyLM
-from cllm_train.records import first_mismatch, validate_record
 from fastdecode.config import ConfigError
 from fastdecode.tokens import next_token_targets
-
-
-def synthetic_records(prompts: int = 6, n: int = 4, seed: int = 0, labels: bool = True) -> list[dict]:
-    """Schema-valid trajectory records: two blocks per prompt, 0-3 non-fixed states each, ids in [5, 261)."""
-    rng = random.Random(seed)
-
-    def ids(k: int) -> list[int]:
-        return [rng.randrange(5, 261) for _ in range(k)]
-
-    records = []
-    for p in range(prompts):
-        prompt, reply = ids(rng.randint(3, 8)), ids(rng.randint(4, 10))
-        prefix = list(prompt)
-        for block in range(2):
-            fixed = ids(n)
-            states = []
-            for m in sorted(rng.sample(range(n), rng.randint(0, 3))):  # increasing first mismatches
-                wrong = fixed[m] + 1 if fixed[m] < 260 else 5
-                states.append(fixed[:m] + [wrong] + ids(n - m - 1))
-            states.append(fixed)
-            rec = {
-                "prompt_id": f"p{p}",
-                "block": block,
-                "prefix": list(prefix),
-                "states": states,
-                "first_mismatch": [first_mismatch(s, fixed) for s in states],
-                "fixed_point": fixed,
-                "eos": False,
-                "labels": reply if labels else None,
-                "prompt_len": len(prompt),
-            }
-            records.append(validate_record(rec))
-            prefix += fixed
-    return records
+from tests.helpers import synthetic_records
 
 
 def _cfg(**kw) -> CLLMConfig:

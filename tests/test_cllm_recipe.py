@@ -14,8 +14,7 @@ import fastdecode_recipes
 from cllm_train.records import MANIFEST, SCHEMA_VERSION, RecordError, tokenizer_fingerprint
 from fastdecode.config import CONFIG_DIR, ConfigError
 from fastdecode.tokenizer import byte_tokenizer
-from tests.helpers import free_port, write_chat_jsonl
-from tests.test_cllm_losses import synthetic_records
+from tests.helpers import free_port, synthetic_records, write_chat_jsonl
 
 TINY_ID = "random:tiny-llama:0"  # records.model_identity of configs/model/tiny-llama.yaml
 

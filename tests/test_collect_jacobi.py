@@ -20,35 +20,10 @@ from fastdecode.decoding import DECODERS, DecodeConfig
 from fastdecode.loading import load_model
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokenizer import byte_tokenizer
-from tests.helpers import free_port, write_chat_jsonl
+from tests.helpers import free_port
+from tests.job_configs import collect_cfg, collect_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
-LIVELY = "+model.random_init.initializer_range=0.2"  # the default init (0.02) just repeats one token
-
-
-def _overrides(tmp_path: Path, *extra: str, lively: bool = True) -> list[str]:
-    data = tmp_path / "chat.jsonl"
-    if not data.exists():
-        write_chat_jsonl(data, n=14)
-    return [
-        "model=tiny-llama",
-        *([LIVELY] if lively else []),
-        "data=jsonl",
-        f"data.path={data}",
-        "data.held_out=2",
-        "block_size=6",
-        "max_new_seq_len=20",
-        "batch_size=3",
-        "shard_records=10",
-        "progress=false",
-        f"output_dir={tmp_path / 'out'}",
-        *extra,
-    ]
-
-
-def _cfg(tmp_path: Path, *extra: str, lively: bool = True):
-    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
-        return compose("collect_jacobi", overrides=_overrides(tmp_path, *extra, lively=lively))
 
 
 def _records(directory: Path) -> list[dict]:
@@ -56,7 +31,7 @@ def _records(directory: Path) -> list[dict]:
 
 
 def test_fixed_points_are_greedy_and_records_chain(tmp_path):
-    cfg = _cfg(tmp_path)
+    cfg = collect_cfg(tmp_path)
     manifest = run(cfg)
     records = _records(tmp_path / "out")
     assert manifest["complete"] and len(records) == manifest["totals"]["records"] > 12
@@ -85,7 +60,7 @@ def test_fixed_points_are_greedy_and_records_chain(tmp_path):
 def test_killed_collection_resumes_to_the_uninterrupted_records(tmp_path):
     whole = tmp_path / "whole"
     whole.mkdir()
-    run(_cfg(whole))
+    run(collect_cfg(whole))
     expected = _records(whole / "out")
 
     class Killed(Exception):
@@ -96,21 +71,21 @@ def test_killed_collection_resumes_to_the_uninterrupted_records(tmp_path):
             raise Killed
 
     with pytest.raises(Killed):
-        run(_cfg(tmp_path), after_commit=kill_after_two)
+        run(collect_cfg(tmp_path), after_commit=kill_after_two)
     partial = read_manifest(tmp_path / "out")
     assert not partial["complete"] and partial["totals"]["prompts"] == 6
     shard = tmp_path / "out" / partial["shards"][-1]["path"]
     with open(shard, "a") as f:  # a batch that was being written when the process died
         f.write('{"prompt_id": "chat.jsonl:9", "block": 0, "pre')
-    manifest = run(_cfg(tmp_path))
+    manifest = run(collect_cfg(tmp_path))
     assert _records(tmp_path / "out") == expected
     assert manifest["totals"] == read_manifest(whole / "out")["totals"]
     with pytest.raises(ConfigError, match="config.block_size"):  # a resume must not mix two collections
-        run(_cfg(tmp_path, "block_size=7"))
+        run(collect_cfg(tmp_path, "block_size=7"))
 
 
 def test_repetition_filters_are_counted_and_an_empty_result_is_an_error(tmp_path):
-    manifest = run(_cfg(tmp_path, "filters.ngram_size=1", "filters.max_ngram_repeats=1"))
+    manifest = run(collect_cfg(tmp_path, "filters.ngram_size=1", "filters.max_ngram_repeats=1"))
     records = _records(tmp_path / "out")
     assert 0 < manifest["filters"]["repeat_ngram"] < manifest["totals"]["prompts"] and records
     for rec in records:  # kept blocks never repeat a token (cut at EOS)
@@ -119,19 +94,21 @@ def test_repetition_filters_are_counted_and_an_empty_result_is_an_error(tmp_path
         assert len(set(output)) == len(output)
     # the default tiny init repeats one token: every prompt stops at its first block, nothing is left
     with pytest.raises(ConfigError, match="filtered out"):
-        run(_cfg(tmp_path, "filters.max_repeat_run=3", f"output_dir={tmp_path / 'none'}", lively=False))
+        run(
+            collect_cfg(tmp_path, "filters.max_repeat_run=3", f"output_dir={tmp_path / 'none'}", lively=False)
+        )
     assert read_manifest(tmp_path / "none")["filters"]["repeat_run"] == 12
 
 
 def test_bad_input_fails_clearly(tmp_path):
     with pytest.raises(ConfigError, match="n >= 2"):
-        run(_cfg(tmp_path, "block_size=1"))
+        run(collect_cfg(tmp_path, "block_size=1"))
     with pytest.raises(ConfigError, match="evaluation-only"):
-        run(_cfg(tmp_path, "data=mt_bench"))
+        run(collect_cfg(tmp_path, "data=mt_bench"))
     with pytest.raises(ConfigError, match="no prompt to collect"):
-        run(_cfg(tmp_path, "max_prompt_len=3"))
+        run(collect_cfg(tmp_path, "max_prompt_len=3"))
     assert not (tmp_path / "out").exists()  # refused before any work
-    run(_cfg(tmp_path, "max_prompts=3"))
+    run(collect_cfg(tmp_path, "max_prompts=3"))
     manifest = read_manifest(tmp_path / "out")
     with pytest.raises(ConfigError, match="model 'random:tiny-llama:0'"):
         check_manifest(manifest, byte_tokenizer(), "HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -149,7 +126,7 @@ def test_bad_input_fails_clearly(tmp_path):
 
 
 def test_throughput_benchmark_matches_the_reference(tmp_path):
-    report = run_throughput(_cfg(tmp_path, "+bench_prompts=3", "+warmup=true", "max_new_seq_len=12"))
+    report = run_throughput(collect_cfg(tmp_path, "+bench_prompts=3", "+warmup=true", "max_new_seq_len=12"))
     assert report["records"]["ours"] == report["records"]["reference"] == report["same_states"] > 0
 
 
@@ -157,10 +134,10 @@ def test_throughput_benchmark_matches_the_reference(tmp_path):
 def test_two_processes_split_the_prompts(tmp_path):
     single = tmp_path / "single"
     single.mkdir()
-    run(_cfg(single))
+    run(collect_cfg(single))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = launcher + [str(free_port()), "collect_jacobi.py", *_overrides(tmp_path)]
+    cmd = launcher + [str(free_port()), "collect_jacobi.py", *collect_overrides(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     manifest = read_manifest(tmp_path / "out")

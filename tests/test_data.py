@@ -24,20 +24,14 @@ from fastdecode.data.chat import (
 from fastdecode.data.config import DataConfig, check_trainable
 from fastdecode.data.sources import ReadStats, iter_json_array, load_records, read_jsonl, read_sharegpt
 from fastdecode.tokenizer import byte_tokenizer
+from tests.helpers import sharegpt_conversation
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "data"
 
 
-def _conv(i: int, n_turns: int = 2) -> dict:
-    turns = [
-        {"from": "human" if k % 2 == 0 else "gpt", "value": f"turn {k} of conv {i} ✓"} for k in range(n_turns)
-    ]
-    return {"id": f"c{i}", "conversations": turns}
-
-
 def _truncated_sharegpt(tmp_path: Path, n_complete: int = 3) -> tuple[Path, int]:
     """A ShareGPT-style JSON list cut off inside record ``n_complete``; returns the path and that record's offset."""
-    text = json.dumps([_conv(i) for i in range(n_complete + 2)], indent=2, ensure_ascii=False)
+    text = json.dumps([sharegpt_conversation(i) for i in range(n_complete + 2)], indent=2, ensure_ascii=False)
     cut_from = text.index(f'"c{n_complete}"')
     record_start = text.rindex("{", 0, cut_from)
     path = tmp_path / "sharegpt.json"
@@ -69,13 +63,17 @@ def test_truncated_json_streams_complete_records(tmp_path, caplog):
     ]
     for chunk in (1, 2, 5, 64):  # records and multi-byte characters straddling chunk boundaries
         stats = ReadStats()
-        assert list(iter_json_array(path, stats, chunk_chars=chunk)) == [_conv(i) for i in range(3)]
+        assert list(iter_json_array(path, stats, chunk_chars=chunk)) == [
+            sharegpt_conversation(i) for i in range(3)
+        ]
         assert stats.truncated_at == offset
 
 
 def test_complete_json_and_cut_multibyte_char(tmp_path, caplog):
     path = tmp_path / "full.json"
-    path.write_text(json.dumps([_conv(0), _conv(1)], ensure_ascii=False), encoding="utf-8")
+    path.write_text(
+        json.dumps([sharegpt_conversation(0), sharegpt_conversation(1)], ensure_ascii=False), encoding="utf-8"
+    )
     with caplog.at_level(logging.WARNING):
         _, stats = read_sharegpt(path)
     assert stats.read == 2 and stats.truncated_at is None and not caplog.records
@@ -87,8 +85,11 @@ def test_complete_json_and_cut_multibyte_char(tmp_path, caplog):
 
 def test_sharegpt_cleaning_counts(tmp_path):
     convs = [
-        _conv(0),
-        {"id": "lead", "conversations": [{"from": "gpt", "value": "hi"}] + _conv(1)["conversations"]},
+        sharegpt_conversation(0),
+        {
+            "id": "lead",
+            "conversations": [{"from": "gpt", "value": "hi"}] + sharegpt_conversation(1)["conversations"],
+        },
         {"id": "none", "conversations": [{"from": "human", "value": "q"}]},
         {"id": "empty", "conversations": []},
         {"id": "blank", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " "}]},

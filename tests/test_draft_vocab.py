@@ -18,16 +18,24 @@ from fastdecode.decoding.draft_vocab import draft_vocab_ids
 from fastdecode.draft_vocab_file import load_draft_vocab, save_draft_vocab
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokenizer import byte_tokenizer
-from tests.conftest import ENGINES, REFERENCE, TINY_MODELS, _tiny
-from tests.helpers import exact_joint, pair_pvalues, random_prompts, tiny_vocab_model
-from tests.test_assisted import _draft, _target, _tiny_vocab_draft
+from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
+from tests.helpers import (
+    assisted_target,
+    draft_model,
+    exact_joint,
+    pair_pvalues,
+    random_prompts,
+    tiny_model,
+    tiny_vocab_draft,
+    tiny_vocab_model,
+)
 
 autoregressive = DECODERS["autoregressive"]
 SPECULATIVE = {
     "self_speculative": lambda m, prompts, cfg: DECODERS["self_speculative"](
         m, prompts, replace(cfg, exit_layer=2)
     ),
-    "assisted": lambda m, prompts, cfg: DECODERS["assisted"](m, prompts, cfg, draft=_draft("copy")),
+    "assisted": lambda m, prompts, cfg: DECODERS["assisted"](m, prompts, cfg, draft=draft_model("copy")),
 }
 
 
@@ -46,7 +54,7 @@ def test_build_draft_vocab_ranks_by_frequency():
 
 
 def test_draft_vocab_file_roundtrip_cache_and_errors(tmp_path):
-    m = _target()
+    m = assisted_target()
     path = _vocab_file(tmp_path, [4, 9, 7])
     assert json.loads(open(path).read())["ids"] == [4, 9, 7]
     ids, vocab_size = load_draft_vocab(path)
@@ -90,7 +98,7 @@ def test_draft_vocab_from_data_counts_trained_tokens(tmp_path):
 # The adapter's subset head
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_exit_logits_subset_equals_the_full_head_rows(name):
-    m = EarlyExitModel(copy.deepcopy(_tiny(name)[0]))
+    m = EarlyExitModel(copy.deepcopy(tiny_model(name)[0]))
     ids = torch.randperm(m.vocab_size, generator=torch.Generator().manual_seed(0))[:50]
     hidden = torch.randn(3, 5, m.config.hidden_size)
     torch.testing.assert_close(m.exit_logits_subset(hidden, ids), m.exit_logits(hidden)[..., ids])
@@ -106,7 +114,7 @@ def test_exit_logits_subset_equals_the_full_head_rows(name):
 def test_greedy_with_a_draft_vocab_equals_autoregressive(decoder, tmp_path, engine):
     """A subset of the frequent tokens: identical output, every policy. A subset without any token the
     target emits: identical output, and no draft is ever accepted (drafts come from the subset only)."""
-    m, run = _target(), SPECULATIVE[decoder]
+    m, run = assisted_target(), SPECULATIVE[decoder]
     prompts = random_prompts(6, seed=21)
     base = DecodeConfig(max_new_tokens=16, draft_tokens=4, **ENGINES[engine])
     ref = autoregressive(m, prompts, replace(base, **REFERENCE))
@@ -125,7 +133,7 @@ def test_greedy_with_a_draft_vocab_equals_autoregressive(decoder, tmp_path, engi
 def test_a_draft_vocab_of_every_token_reproduces_the_drafts(decoder, tmp_path):
     """Greedy: a shuffled full vocabulary drafts exactly the same tokens (every policy); sampling: the full
     vocabulary in id order gives the same distribution, so the same seed draws the same tokens."""
-    m, run = _target(), SPECULATIVE[decoder]
+    m, run = assisted_target(), SPECULATIVE[decoder]
     prompts = random_prompts(4, seed=22)
     shuffled = _vocab_file(
         tmp_path, torch.randperm(261, generator=torch.Generator().manual_seed(0)), "s.json"
@@ -160,7 +168,7 @@ def test_sampling_with_a_draft_vocab_matches_the_target_distribution(decoder, tm
     )
     joint = exact_joint(m, prompt, 4, cfg)
     if decoder == "assisted":
-        out = DECODERS["assisted"](m, [prompt] * samples, cfg, draft=_tiny_vocab_draft())
+        out = DECODERS["assisted"](m, [prompt] * samples, cfg, draft=tiny_vocab_draft())
     else:
         out = DECODERS["self_speculative"](m, [prompt] * samples, replace(cfg, exit_layer=1))
     assert 0.1 < out.acceptance_rate < 0.95  # both the accept and the residual paths were taken

@@ -19,8 +19,8 @@ from fastdecode.decoding import DECODERS, DecodeConfig
 from fastdecode.engine import EngineOptions, RotaryLayer, default_options
 from fastdecode.fast_linear import FastLinear, available_kernels, calibrate, uniform_plan
 from fastdecode.model import EarlyExitModel
-from tests.conftest import ENGINES, REFERENCE, TINY_MODELS, _tiny
-from tests.helpers import lively_model, random_prompts
+from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
+from tests.helpers import lively_model, random_prompts, tiny_model
 
 KERNELS = available_kernels(torch.device("cpu"), torch.float32)
 ENGINE_OPTIONS = {
@@ -288,7 +288,7 @@ def test_engine_benchmark_writes_its_report(tmp_path):
     assert all(r["tokens_equal_hf_generate"] for r in ar.values())  # every path decodes like HF generate
     assert "Forward cost" in (tmp_path / "engine.md").read_text()
     assert result["model"] == "tiny-llama"
-    assert _tiny("tiny-llama")[0].training is False
+    assert tiny_model("tiny-llama")[0].training is False
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -36,34 +36,27 @@ from fastdecode.exit_adapter import (
 )
 from fastdecode.model import EarlyExitModel
 from fastdecode.tensor_shards import ShardHeaderError, ShardReader, ShardWriter
-from tests.conftest import TINY_MODELS, _tiny
-from tests.helpers import exact_joint, lively_model, pair_pvalues, random_prompts, tiny_vocab_model
+from tests.conftest import TINY_MODELS
+from tests.helpers import (
+    exact_joint,
+    lively_model,
+    pair_pvalues,
+    perturbed_adapter,
+    random_examples,
+    random_prompts,
+    tiny_llama_adapter,
+    tiny_model,
+    tiny_vocab_model,
+)
+from tests.job_configs import tiny_speed_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 autoregressive = DECODERS["autoregressive"]
 self_speculative = DECODERS["self_speculative"]
 
 
-def _perturbed(m: EarlyExitModel, exit_layer: int, kind: str, seed: int = 0, std: float = 0.05):
-    """A random, untrained adapter: a copied layer plus noise, so its drafts differ from the raw exit's."""
-    adapter = build_adapter(m, exit_layer, kind, "exit" if exit_layer % 2 else "last")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in adapter.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * std)
-    return adapter
-
-
 def _saved(tmp_path: Path, m: EarlyExitModel, adapter, name: str, vocab=None) -> str:
     return str(save_adapter(adapter, tmp_path / name, m, vocab=vocab))
-
-
-def tiny_llama_adapter(tmp_path: Path, exit_layer: int, kind: str = "block") -> str:
-    """A random adapter for the shared tiny-llama (what ``model=tiny-llama`` loads), saved under tmp_path."""
-    model, tokenizer = _tiny("tiny-llama")
-    m = EarlyExitModel(model)
-    adapter = _perturbed(m, exit_layer, kind, std=0.02)
-    return str(save_adapter(adapter, tmp_path / f"adapter-E{exit_layer}", m, tokenizer))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -79,7 +72,7 @@ def test_greedy_through_an_adapter_equals_autoregressive(name, kind, tmp_path):
     ref = autoregressive(m, prompts, base).tokens
     rates = []
     for exit_layer in range(1, m.num_layers):
-        path = _saved(tmp_path, m, _perturbed(m, exit_layer, kind, seed=exit_layer), f"E{exit_layer}")
+        path = _saved(tmp_path, m, perturbed_adapter(m, exit_layer, kind, seed=exit_layer), f"E{exit_layer}")
         for policy in POLICIES:
             cfg = replace(base, adapter=path, policy=policy)
             out = self_speculative(m, prompts, cfg)
@@ -94,7 +87,7 @@ def test_greedy_through_an_adapter_with_a_draft_vocabulary_and_many_rows(tmp_pat
     m = lively_model("tiny-mistral", 0.1)
     prompts = random_prompts(8, seed=31)
     vocab = torch.arange(3, 200)  # EOS (4) inside; tokens >= 200 are never drafted
-    path = _saved(tmp_path, m, _perturbed(m, 2, "block"), "E2", vocab=vocab)
+    path = _saved(tmp_path, m, perturbed_adapter(m, 2, "block"), "E2", vocab=vocab)
     base = DecodeConfig(max_new_tokens=24, eos_token_id=m.config.eos_token_id)
     ref = autoregressive(m, prompts, base).tokens
     for policy in POLICIES:
@@ -104,7 +97,7 @@ def test_greedy_through_an_adapter_with_a_draft_vocabulary_and_many_rows(tmp_pat
 
 def test_the_adapter_cache_layer_is_filled_and_rolled_back_with_the_rest(tmp_path):
     m = lively_model("tiny-llama", 0.1)
-    path = _saved(tmp_path, m, _perturbed(m, 2, "attention"), "E2")
+    path = _saved(tmp_path, m, perturbed_adapter(m, 2, "attention"), "E2")
     from fastdecode.decoding import self_speculative as module
 
     captured, original = {}, module.prefill
@@ -130,7 +123,7 @@ def test_sampling_through_an_adapter_matches_the_target_distribution(policy, tmp
     """As ``test_speculative_sampling_matches_the_target_distribution``: 4000 rows, every adjacent pair of the
     4 new tokens matches the target's exactly computed joint distribution."""
     m = tiny_vocab_model()
-    path = _saved(tmp_path, m, _perturbed(m, 1, "block", std=0.1), "E1")
+    path = _saved(tmp_path, m, perturbed_adapter(m, 1, "block", std=0.1), "E1")
     prompt, samples = [3, 1, 4, 1, 5], 4000
     cfg = DecodeConfig(max_new_tokens=4, temperature=1.0, draft_tokens=3, seed=1, policy=policy, adapter=path)
     joint = exact_joint(m, prompt, 4, cfg)
@@ -143,7 +136,7 @@ def test_sampling_through_an_adapter_matches_the_target_distribution(policy, tmp
 # Save / load
 def test_a_saved_and_loaded_adapter_gives_identical_drafts(tmp_path):
     m = lively_model("tiny-qwen2", 0.1)
-    adapter = _perturbed(m, 2, "block", seed=3).eval()
+    adapter = perturbed_adapter(m, 2, "block", seed=3).eval()
     first = _saved(tmp_path, m, adapter, "a")
     loaded, meta, ids = load_adapter(first, m)
     assert meta["exit_layer"] == 2 and meta["kind"] == "block" and ids is None
@@ -162,21 +155,14 @@ def test_a_saved_and_loaded_adapter_gives_identical_drafts(tmp_path):
 
 # --------------------------------------------------------------------------------------------------------
 # Training leaves the base model untouched
-def _examples(n: int = 6, length: int = 12) -> list[dict]:
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(n):
-        ids = torch.randint(5, 250, (length + i,), generator=gen).tolist()
-        out.append({"input_ids": ids, "labels": [-100] * 4 + ids[4:]})
-    return out
 
 
 def test_training_changes_the_adapter_and_not_a_bit_of_the_base_model():
-    model = copy.deepcopy(_tiny("tiny-llama")[0])
+    model = copy.deepcopy(tiny_model("tiny-llama")[0])
     m = EarlyExitModel(model)
     model.requires_grad_(False)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    records = batch_features(m, _examples(), [1, 3], 8, torch.float32)
+    records = batch_features(m, random_examples(), [1, 3], 8, torch.float32)
     adapters = {1: build_adapter(m, 1, "block"), 3: build_adapter(m, 3, "attention")}
     start = {k: v.clone() for k, v in adapters[1].state_dict().items()}
     for target in ("topk", "full"):
@@ -208,7 +194,6 @@ _KILL_SCRIPT = textwrap.dedent(
     from fastdecode.config import ModelConfig, load_group
     from fastdecode.loading import load_model
     from fastdecode.model import EarlyExitModel
-    from tests.test_exit_adapter import _examples
 
     model, tokenizer = load_model(load_group("model", "tiny-llama", ModelConfig, dtype="float32", device="cpu"))
     fcfg = FeatureConfig(batch_size=2, shard_records=2, top_k=4, dtype="float32")
@@ -217,7 +202,7 @@ _KILL_SCRIPT = textwrap.dedent(
         print("COMMIT", n, flush=True)
         time.sleep(float(sys.argv[2]))
 
-    build_features(EarlyExitModel(model), tokenizer, _examples(12), sys.argv[1], fcfg, [1, 2], "synthetic",
+    build_features(EarlyExitModel(model), tokenizer, random_examples(12), sys.argv[1], fcfg, [1, 2], "synthetic",
                    on_commit=committed)
     print("DONE", flush=True)
     """
@@ -258,9 +243,9 @@ def test_feature_caching_resumes_after_kill_9_without_losing_or_duplicating(tmp_
     resumed = _run_builder(killed, script, 0.0)
     assert "DONE" in resumed.communicate(timeout=300)[0]
     clean = tmp_path / "clean"  # the same build, uninterrupted, in this process
-    model, tokenizer = _tiny("tiny-llama")
+    model, tokenizer = tiny_model("tiny-llama")
     fcfg = FeatureConfig(batch_size=2, shard_records=2, top_k=4, dtype="float32")
-    build_features(EarlyExitModel(model), tokenizer, _examples(12), clean, fcfg, [1, 2], "synthetic")
+    build_features(EarlyExitModel(model), tokenizer, random_examples(12), clean, fcfg, [1, 2], "synthetic")
     got, want = _records(killed), _records(clean)
     assert sorted(int(r["index"]) for r in got) == list(range(12))  # every record exactly once
     assert len(got) == len(want) == 12
@@ -314,10 +299,10 @@ def test_exit_layer_outside_the_model_is_refused():
 
 def test_decoding_refuses_another_exit_and_another_model(tmp_path):
     m = lively_model("tiny-llama", 0.1)
-    path = _saved(tmp_path, m, _perturbed(m, 2, "block"), "E2")
+    path = _saved(tmp_path, m, perturbed_adapter(m, 2, "block"), "E2")
     with pytest.raises(ExitLayerError, match="exit_layer=3 but the adapter.*E=2"):
         self_speculative(m, [[5, 6]], DecodeConfig(max_new_tokens=4, adapter=path, exit_layer=3))
-    other = EarlyExitModel(_tiny("tiny-llama")[0])  # same family and geometry, other weights
+    other = EarlyExitModel(tiny_model("tiny-llama")[0])  # same family and geometry, other weights
     with pytest.raises(AdapterMismatchError, match="fingerprint"):
         self_speculative(other, [[5, 6]], DecodeConfig(max_new_tokens=4, adapter=path))
     config = LlamaConfig(
@@ -339,8 +324,8 @@ def test_decoding_refuses_another_exit_and_another_model(tmp_path):
         def get_vocab(self):
             return {"a": 0, "b": 1}
 
-    tokenizer = _tiny("tiny-llama")[1]
-    save_adapter(_perturbed(m, 2, "block"), tmp_path / "with-tok", m, tokenizer)
+    tokenizer = tiny_model("tiny-llama")[1]
+    save_adapter(perturbed_adapter(m, 2, "block"), tmp_path / "with-tok", m, tokenizer)
     load_adapter(tmp_path / "with-tok", m, tokenizer)
     with pytest.raises(AdapterMismatchError, match="tokenizer.vocab_hash"):
         load_adapter(tmp_path / "with-tok", m, OtherTokenizer())
@@ -348,8 +333,8 @@ def test_decoding_refuses_another_exit_and_another_model(tmp_path):
 
 def test_a_draft_vocabulary_that_does_not_match_is_refused(tmp_path):
     m = lively_model("tiny-llama", 0.1)
-    trained = _saved(tmp_path, m, _perturbed(m, 2, "block"), "vocab", vocab=torch.arange(3, 100))
-    full = _saved(tmp_path, m, _perturbed(m, 2, "block"), "full")
+    trained = _saved(tmp_path, m, perturbed_adapter(m, 2, "block"), "vocab", vocab=torch.arange(3, 100))
+    full = _saved(tmp_path, m, perturbed_adapter(m, 2, "block"), "full")
     other = save_draft_vocab(tmp_path / "other.json", torch.arange(3, 50), vocab_size=m.vocab_size)
     cfg = DecodeConfig(max_new_tokens=4, draft_vocab=str(other))
     with pytest.raises(DraftVocabMismatchError, match="97-token draft vocabulary"):
@@ -366,15 +351,17 @@ def test_a_draft_vocabulary_that_does_not_match_is_refused(tmp_path):
 
 
 def test_a_feature_cache_of_another_model_tokenizer_or_setting_is_refused(tmp_path):
-    model, tokenizer = _tiny("tiny-llama")
+    model, tokenizer = tiny_model("tiny-llama")
     m = EarlyExitModel(model)
     fcfg = FeatureConfig(batch_size=2, shard_records=2, top_k=4, dtype="float32")
-    reader = build_features(m, tokenizer, _examples(4), tmp_path, fcfg, [1, 2], "synthetic")
+    reader = build_features(m, tokenizer, random_examples(4), tmp_path, fcfg, [1, 2], "synthetic")
     assert len(reader) == 4 and len(FeatureDataset(reader, [2], "topk")) == 4
-    assert len(build_features(m, tokenizer, _examples(4), tmp_path, fcfg, [2], "synthetic")) == 4  # reused
+    assert (
+        len(build_features(m, tokenizer, random_examples(4), tmp_path, fcfg, [2], "synthetic")) == 4
+    )  # reused
     other = lively_model("tiny-llama")
     with pytest.raises(AdapterMismatchError, match="feature cache.*fingerprint"):
-        build_features(other, tokenizer, _examples(4), tmp_path, fcfg, [1, 2], "synthetic")
+        build_features(other, tokenizer, random_examples(4), tmp_path, fcfg, [1, 2], "synthetic")
 
     class OtherTokenizer:
         name_or_path = "other"
@@ -383,24 +370,25 @@ def test_a_feature_cache_of_another_model_tokenizer_or_setting_is_refused(tmp_pa
             return {"a": 0}
 
     with pytest.raises(AdapterMismatchError, match="tokenizer"):
-        build_features(m, OtherTokenizer(), _examples(4), tmp_path, fcfg, [1, 2], "synthetic")
+        build_features(m, OtherTokenizer(), random_examples(4), tmp_path, fcfg, [1, 2], "synthetic")
     with pytest.raises(ShardHeaderError, match="top_k"):
-        build_features(m, tokenizer, _examples(4), tmp_path, replace(fcfg, top_k=8), [1, 2], "synthetic")
+        build_features(
+            m, tokenizer, random_examples(4), tmp_path, replace(fcfg, top_k=8), [1, 2], "synthetic"
+        )
     with pytest.raises(ShardHeaderError, match="not \\[3\\]"):
-        build_features(m, tokenizer, _examples(4), tmp_path, fcfg, [1, 3], "synthetic")
-    qwen = EarlyExitModel(_tiny("tiny-qwen2")[0])
+        build_features(m, tokenizer, random_examples(4), tmp_path, fcfg, [1, 3], "synthetic")
+    qwen = EarlyExitModel(tiny_model("tiny-qwen2")[0])
     with pytest.raises(AdapterMismatchError, match="model_type: 'llama' there, 'qwen2' here"):
-        build_features(qwen, tokenizer, _examples(4), tmp_path, fcfg, [1, 2], "synthetic")
+        build_features(qwen, tokenizer, random_examples(4), tmp_path, fcfg, [1, 2], "synthetic")
 
 
 # --------------------------------------------------------------------------------------------------------
 # The speed benchmark and the per-exit report
 def test_the_speed_benchmark_runs_self_speculation_through_an_adapter(tmp_path):
     from eval.speed import run
-    from tests.test_speed import _tiny_cfg
 
     path = tiny_llama_adapter(tmp_path, 3, "attention")
-    cfg = _tiny_cfg(
+    cfg = tiny_speed_cfg(
         tmp_path,
         "decoder=[autoregressive,self_speculative_adapter,self_speculative_adapter_constant]",
         f"adapter={path}",
@@ -414,14 +402,14 @@ def test_the_speed_benchmark_runs_self_speculation_through_an_adapter(tmp_path):
     assert all(r["acceptance_rate"] is not None for r in rows)
     assert result["methods"]["self_speculative_adapter"]["options"]["adapter"] == path
     with pytest.raises(Exception, match="drafts through an exit adapter and none is set"):
-        run(_tiny_cfg(tmp_path, "decoder=[autoregressive,self_speculative_adapter]", "hf_baseline=null"))
+        run(tiny_speed_cfg(tmp_path, "decoder=[autoregressive,self_speculative_adapter]", "hf_baseline=null"))
 
 
 def test_the_exit_report_compares_raw_exits_with_adapters(tmp_path):
     from fastdecode.exit_report import adapter_generation_report
 
     m = lively_model("tiny-llama", 0.1)
-    adapters = {e: _perturbed(m, e, "block", seed=e, std=0.02).eval() for e in (1, 3)}
+    adapters = {e: perturbed_adapter(m, e, "block", seed=e, std=0.02).eval() for e in (1, 3)}
     generations = [(p + [7, 8, 9, 10, 11], len(p)) for p in random_prompts(3, seed=5)]
     report = adapter_generation_report(m, adapters, generations, torch.arange(0, 200))
     assert set(report["raw"]) == set(report["adapter"]) == {1, 3} and report["tokens"] == 15

@@ -7,30 +7,21 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 import fastdecode_recipes
-from fastdecode.config import CONFIG_DIR, ConfigError
+from fastdecode.config import ConfigError
 from fastdecode.decoding import DECODERS, DecodeConfig
 from fastdecode.exit_adapter import DraftVocabMismatchError, ExitLayerError, read_meta
 from fastdecode.identity import weights_fingerprint
 from fastdecode.model import EarlyExitModel
-from tests.conftest import _tiny
-from tests.helpers import write_chat_jsonl
+from tests.helpers import tiny_model
+from tests.job_configs import train_cfg
 
 
 def adapter_cfg(tmp_path: Path, *extra: str):
-    data = write_chat_jsonl(tmp_path / "chat.jsonl")
-    overrides = [
-        "recipe=exit_adapter",
-        "model=tiny-llama",
-        "data=jsonl",
-        f"data.path={data}",
-        "data.held_out=4",
-        "trainer.max_steps=4",
-        "trainer.save_steps=2",
-        "trainer.logging_steps=1",
-        "trainer.warmup_steps=0",
+    return train_cfg(
+        tmp_path,
+        "exit_adapter",
         "trainer.learning_rate=1e-3",
         "recipe.exits=[1,2]",
         "recipe.draft_vocab_size=16",
@@ -40,11 +31,8 @@ def adapter_cfg(tmp_path: Path, *extra: str):
         "recipe.report.speed_new_tokens=6",
         "recipe.features.batch_size=4",
         "recipe.features.shard_records=8",
-        f"output_dir={tmp_path / 'run'}",
         *extra,
-    ]
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+    )
 
 
 def test_exit_adapter_recipe_end_to_end(tmp_path):
@@ -58,14 +46,14 @@ def test_exit_adapter_recipe_end_to_end(tmp_path):
         assert meta["base"]["tokenizer"]["vocab_hash"] and meta["training"]["epochs"] > 0
     # The base model: bitwise what a fresh load gives, and the same perplexity before and after.
     assert summary["base_weights_unchanged"]
-    assert summary["base_weights_sha256"] == weights_fingerprint(_tiny("tiny-llama")[0], full=True)
+    assert summary["base_weights_sha256"] == weights_fingerprint(tiny_model("tiny-llama")[0], full=True)
     assert summary["perplexity"] == summary["perplexity_before"]
     assert summary["features"]["scored_positions"] > 0 and summary["features"]["positions_per_s"] > 0
     assert summary["training"]["scored_positions_per_s"] > 0
     assert {"kl/E1", "agree/E2"} <= set(summary["training"]["history"][0])
     assert summary["speed"]["self_speculative"]["tokens"] == summary["speed"]["autoregressive"]["tokens"]
     # Decoding through the run directory (the chosen exit, or one named) is lossless.
-    m = EarlyExitModel(_tiny("tiny-llama")[0])
+    m = EarlyExitModel(tiny_model("tiny-llama")[0])
     prompts = [[3, 50, 60, 70], [3, 80]]
     ref = DECODERS["autoregressive"](m, prompts, DecodeConfig(max_new_tokens=10)).tokens
     for path in (final / "E1", final / "E2"):

@@ -24,8 +24,8 @@ from fastdecode.jacobi import (
     solve_block,
 )
 from fastdecode.model import EarlyExitModel
-from tests.conftest import ENGINES, REFERENCE, TINY_MODELS, _tiny
-from tests.helpers import lively_model, random_prompts
+from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
+from tests.helpers import lively_model, random_prompts, tiny_model
 
 autoregressive, jacobi = DECODERS["autoregressive"], DECODERS["jacobi"]
 
@@ -34,7 +34,7 @@ autoregressive, jacobi = DECODERS["autoregressive"], DECODERS["jacobi"]
 def _sticky(name: str) -> EarlyExitModel:
     """Weights of std 0.12: outputs that often repeat, so Jacobi fixes several tokens in one forward for some
     rows and one for others (ragged progress, holes in the cache)."""
-    model = copy.deepcopy(_tiny(name)[0])
+    model = copy.deepcopy(tiny_model(name)[0])
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():

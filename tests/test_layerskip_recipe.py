@@ -7,34 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import fastdecode_recipes
-from fastdecode.config import CONFIG_DIR, ConfigError
-from tests.helpers import write_chat_jsonl
-
-
-def layerskip_cfg(tmp_path: Path, *extra: str):
-    data = write_chat_jsonl(tmp_path / "chat.jsonl")
-    overrides = [
-        "recipe=layerskip",
-        "model=tiny-llama",
-        "data=jsonl",
-        f"data.path={data}",
-        "data.held_out=4",
-        "trainer.max_steps=4",
-        "trainer.save_steps=2",
-        "trainer.logging_steps=1",
-        "trainer.warmup_steps=0",
-        "recipe.report.prompts=2",
-        "recipe.report.max_new_tokens=6",
-        "recipe.layer_dropout.prob=0.5",  # high, so tiny batches really drop rows
-        f"output_dir={tmp_path / 'run'}",
-        *extra,
-    ]
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+from fastdecode.config import ConfigError
+from tests.job_configs import layerskip_cfg
 
 
 def _history(run: Path, step: int) -> list[dict]:

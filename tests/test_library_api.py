@@ -14,14 +14,14 @@ import fastdecode
 from fastdecode.checkpoint_info import write_sidecar
 from fastdecode.config import ConfigError
 from fastdecode.draft_vocab_file import save_draft_vocab
-from tests.conftest import _tiny
+from tests.helpers import tiny_model
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.fixture(scope="module")
 def fd():
-    model, tokenizer = _tiny("tiny-llama")
+    model, tokenizer = tiny_model("tiny-llama")
     return fastdecode.FastDecoder(model, tokenizer)
 
 
@@ -103,7 +103,7 @@ def test_streamer_gets_the_prompt_then_every_new_token(fd):
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory):
     """tiny-llama saved as a checkpoint that records E=3, a draft vocabulary and a SkipDecode policy."""
-    model, tokenizer = _tiny("tiny-llama")
+    model, tokenizer = tiny_model("tiny-llama")
     out = tmp_path_factory.mktemp("ckpt") / "final"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

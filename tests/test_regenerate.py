@@ -14,8 +14,7 @@ from fastdecode.data.sources import read_records, split_records
 from fastdecode.decoding import DecodeConfig, get_decoder
 from fastdecode.model import EarlyExitModel
 from fastdecode_cli.regenerate import run
-from tests.conftest import _tiny
-from tests.helpers import write_chat_jsonl
+from tests.helpers import tiny_model, write_chat_jsonl
 
 
 def _cfg(tmp_path, *extra):
@@ -41,7 +40,7 @@ def test_answers_are_the_models_greedy_output_and_a_rerun_resumes(tmp_path):
     more = run(_cfg(tmp_path, "num_prompts=7"))
     lines_after = (tmp_path / "own.jsonl").read_text().splitlines()
     assert more["new"] == 3 and lines_after[:4] == lines  # earlier answers are kept, not redone
-    model, tok = _tiny("tiny-llama")
+    model, tok = tiny_model("tiny-llama")
     rec = json.loads(lines_after[5])
     ids = user_prompt_ids(tok, rec["prompt"])
     templated = tok.apply_chat_template(

