@@ -194,6 +194,7 @@ _KILL_SCRIPT = textwrap.dedent(
     from fastdecode.config import ModelConfig, load_group
     from fastdecode.loading import load_model
     from fastdecode.model import EarlyExitModel
+    from tests.helpers import random_examples
 
     model, tokenizer = load_model(load_group("model", "tiny-llama", ModelConfig, dtype="float32", device="cpu"))
     fcfg = FeatureConfig(batch_size=2, shard_records=2, top_k=4, dtype="float32")
