@@ -368,6 +368,8 @@ def run(cfg: Any) -> dict:
             engine = m.use_engine(_options("engine", m.device))
             entry["engine_build_seconds"] = engine.build_seconds if engine else None
             entry["plans"] = engine.plans if engine else {}
+            # seconds per sweep of each kernel at each probed M: the measurement behind the plans
+            entry["calibration"] = engine.timings if engine else {}
             m.use_engine(None)
             if job.overhead:
                 entry["layer_overhead"] = layer_overhead(job, [p for p in job.paths if p != "compile"])
