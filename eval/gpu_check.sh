@@ -26,7 +26,7 @@ else
 fi
 
 common=(
-  "++model.device=$DEVICE" "++model.dtype=$DTYPE" "exit_layer=$EXIT" "context=$CONTEXT"
+  "model.device=$DEVICE" "model.dtype=$DTYPE" "exit_layer=$EXIT" "context=$CONTEXT"
   "threads=[4]" "repeats=5" "calls=5" "steps=[1,2,3,5,9,17]" "components=[model,layers_hi,head]"
   "paths=[hf,engine,static]" "ar_paths=[hf,engine,static,compile]" "ar_new_tokens=$NEW" "ar_repeats=3"
   "overhead=false" "bf16=false" "bandwidth_mb=2048"

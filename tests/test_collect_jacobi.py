@@ -152,8 +152,8 @@ def test_smollm2_sharegpt_fixed_points_are_greedy(tmp_path):
     out = tmp_path / "out"
     overrides = [
         "model=smollm2-135m",
-        "+model.dtype=float32",
-        "+model.device=cpu",
+        "model.dtype=float32",
+        "model.device=cpu",
         "data=sharegpt",
         "max_prompts=3",
         "block_size=16",
