@@ -31,6 +31,7 @@ from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE
 from fastdecode.exit_adapter import CHECKPOINT_DIR, META_FILE
 from fastdecode.loading import load_model
 from fastdecode.model import EarlyExitModel
+from fastdecode.tokens import eos_ids
 
 try:
     __version__ = importlib.metadata.version("fastdecode")
@@ -109,15 +110,9 @@ def from_pretrained(
     its tokenizer; ``adapter``: an exit adapter directory (default: ``exit_adapter/`` inside the directory)."""
     cfg, directory = _model_config(source, device=device, dtype=dtype)
     model, tokenizer = load_model(cfg)
-    return FastDecoder(model, tokenizer, directory=directory, adapter=adapter, recommended=cfg.recommended_exit)
-
-
-def eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """The tokenizer's EOS and the model's generation-config EOS ids: where every method stops."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    extra = model.generation_config.eos_token_id
-    ids |= set(extra) if isinstance(extra, list) else ({extra} if extra is not None else set())
-    return ids
+    return FastDecoder(
+        model, tokenizer, directory=directory, adapter=adapter, recommended=cfg.recommended_exit
+    )
 
 
 class FastDecoder:
@@ -195,7 +190,7 @@ class FastDecoder:
             ids, mask = torch.as_tensor(inputs["input_ids"]), inputs.get("attention_mask")
             mask = torch.ones_like(ids) if mask is None else torch.as_tensor(mask)
             ids, mask = ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, ids.shape[-1])
-            return [row[keep.bool()].tolist() for row, keep in zip(ids, mask)], False, False
+            return [row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True)], False, False
         if isinstance(inputs, torch.Tensor):
             return (inputs.tolist() if inputs.dim() == 2 else [inputs.tolist()]), inputs.dim() == 1, False
         if isinstance(inputs, list) and inputs and all(isinstance(x, str) for x in inputs):
@@ -215,7 +210,9 @@ class FastDecoder:
             raise ConfigError("chat=True but the tokenizer has no chat template; pass chat=False or None.")
         if has_template and chat is not False:
             messages = [{"role": "user", "content": text}]
-            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            rendered = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
             return self.tokenizer(rendered, add_special_tokens=False).input_ids
         return self.tokenizer(text).input_ids
 

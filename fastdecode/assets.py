@@ -28,7 +28,7 @@ import zipfile
 import zlib
 from pathlib import Path, PurePosixPath
 
-from fastdecode.checkpoint import MANIFEST, manifest_problems, verify_requested, write_manifest
+from fastdecode.checkpoint import MANIFEST, manifest_problems, sha256_file, verify_requested, write_manifest
 from fastdecode.config import ConfigError, ModelConfig, PypiAsset
 from fastdecode.io import atomic_directory, atomic_path, atomic_write_json
 from fastdecode.locks import file_lock
@@ -73,18 +73,10 @@ def _wheels_in(folder: Path, asset: PypiAsset) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and _is_wheel_of(p, asset))
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _wheel_problem(path: Path, asset: PypiAsset) -> str | None:
     """Why ``path`` is not a good wheel for ``asset`` (wrong sha256, not a readable zip), or None if it is."""
     if asset.sha256:
-        actual = _sha256(path)
+        actual = sha256_file(path)
         if actual != asset.sha256.lower():
             return f"sha256 mismatch: expected {asset.sha256.lower()}, got {actual}"
     try:
@@ -216,7 +208,7 @@ def _extracted_problem(dest: Path, hashes: bool) -> str | None:
     size = dest.stat().st_size
     if size != record.get("size"):
         return f"it has {size} bytes, {record.get('size')} were extracted (truncated or overwritten)"
-    if hashes and _sha256(dest) != record.get("sha256"):
+    if hashes and sha256_file(dest) != record.get("sha256"):
         return "its bytes differ from the extracted ones (sha256 mismatch)"
     return None
 

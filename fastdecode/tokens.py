@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,3 +50,10 @@ def perplexity(nll: float, tokens: int) -> float | None:
     if tokens <= 0:
         return None
     return math.exp(min(nll / tokens, MAX_LOG_PERPLEXITY))
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The tokenizer's EOS and the model's generation-config EOS ids: where every method stops."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    extra = model.generation_config.eos_token_id
+    return ids | (set(extra) if isinstance(extra, list) else ({extra} if extra is not None else set()))

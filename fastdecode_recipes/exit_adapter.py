@@ -46,6 +46,7 @@ from fastdecode.exit_report import model_perplexity
 from fastdecode.identity import weights_fingerprint
 from fastdecode.io import atomic_write_json
 from fastdecode.model import EarlyExitModel
+from fastdecode.tokens import eos_ids
 from fastdecode_recipes.common import TrainJob, job_tokenizer
 from fastdecode_recipes.exit_adapter_report import report
 from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
@@ -87,13 +88,6 @@ def generation_prompts(train: list[dict], tokenizer, max_prompt_tokens: int) -> 
             if len(ids) <= max_prompt_tokens:
                 out.append({"input_ids": ids})
     return out
-
-
-def eos_ids(model, tokenizer) -> set[int]:
-    """The tokenizer's and the generation config's EOS ids."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    extra = model.generation_config.eos_token_id
-    return ids | (set(extra) if isinstance(extra, list) else ({extra} if extra is not None else set()))
 
 
 def _report_set(rcfg: ExitAdapterConfig, tokenizer, held_out: list[dict]) -> list[dict]:

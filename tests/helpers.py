@@ -43,6 +43,15 @@ def free_port() -> int:
 RESIDUAL_WRITERS = ("o_proj", "down_proj", "out_proj", "fc2")  # modules that write into the residual stream
 
 
+@torch.no_grad()
+def redraw_matrices(model: torch.nn.Module, std: float, seed: int) -> None:
+    """Replace every 2-D parameter of ``model`` by N(0, std^2) draws (one generator, parameter order)."""
+    gen = torch.Generator().manual_seed(seed)
+    for param in model.parameters():
+        if param.dim() == 2:
+            param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
 @functools.cache
 def lively_model(name: str, upper_scale: float = 1.0, zero_from: int | None = None) -> EarlyExitModel:
     """A copy of a tiny model with larger random weights (std 0.2): the shared ones just repeat a token.
@@ -51,11 +60,8 @@ def lively_model(name: str, upper_scale: float = 1.0, zero_from: int | None = No
     final output often (acceptance ~0.5-0.8); ``zero_from=E`` zeroes it for layers >= E (exit E == output).
     """
     model = copy.deepcopy(tiny_model(name)[0])
-    gen = torch.Generator().manual_seed(0)
+    redraw_matrices(model, 0.2, seed=0)
     with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
         for index, layer in enumerate(EarlyExitModel(model).layers):
             for pname, param in layer.named_parameters():
                 if pname.split(".")[-2] in RESIDUAL_WRITERS:
@@ -174,10 +180,7 @@ def draft_model(kind: str) -> EarlyExitModel:
             missing = model.load_state_dict(assisted_target().hf.state_dict(), strict=False).missing_keys
             assert not missing  # only the target's layers >= 2 are left over
         else:
-            gen = torch.Generator().manual_seed(1)
-            for param in model.parameters():
-                if param.dim() == 2:
-                    param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+            redraw_matrices(model, 0.2, seed=1)
     return EarlyExitModel(model)
 
 

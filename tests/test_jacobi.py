@@ -25,7 +25,7 @@ from fastdecode.jacobi import (
 )
 from fastdecode.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
-from tests.helpers import lively_model, random_prompts, tiny_model
+from tests.helpers import lively_model, random_prompts, redraw_matrices, tiny_model
 
 autoregressive, jacobi = DECODERS["autoregressive"], DECODERS["jacobi"]
 
@@ -35,11 +35,7 @@ def _sticky(name: str) -> EarlyExitModel:
     """Weights of std 0.12: outputs that often repeat, so Jacobi fixes several tokens in one forward for some
     rows and one for others (ragged progress, holes in the cache)."""
     model = copy.deepcopy(tiny_model(name)[0])
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.12)
+    redraw_matrices(model, 0.12, seed=0)
     return EarlyExitModel(model)
 
 

@@ -25,8 +25,8 @@ from fastdecode.bench.engines import FastdecodeRunner, HFRunner
 from fastdecode.bench.stats import Record, attach_matches, oracle_report, summarise
 from fastdecode.config import ConfigError
 from fastdecode.data.sources import load_records
-from fastdecode.api import eos_ids
 from fastdecode.model import EarlyExitModel
+from fastdecode.tokens import eos_ids
 
 log = logging.getLogger(__name__)
 
