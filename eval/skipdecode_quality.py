@@ -50,8 +50,8 @@ def skip_options_file(job: QualityJob) -> str | None:
 
 def run(cfg: Any) -> dict:
     """Decode the held-out prompts both ways, score, write and return the report."""
-    from fastdecode.data.chat import build_datasets
     from fastdecode.checkpoint_info import checkpoint_model
+    from fastdecode.data.chat import build_datasets
     from fastdecode.decoding import DecodeConfig, SkipOptions
     from fastdecode.decoding.skipdecode import read_skip_options
     from fastdecode.io import atomic_write_json

@@ -45,9 +45,9 @@ class RegenerateJob:
 
 def _prompts(job: RegenerateJob, tokenizer: Any) -> list[tuple[str, list[int]]]:
     """(first user turn, chat-templated prompt ids) of the training split, in split order."""
-    from fastdecode.data.sources import read_records, split_records
+    from fastdecode.data.sources import load_records
 
-    train, _ = split_records(read_records(job.data), job.data.held_out, job.data.split_seed)
+    train = load_records(dataclasses.replace(job.data, max_samples=None), "train")
     out = []
     for rec in train:
         user = next((t["content"] for t in rec["messages"] if t["role"] == "user"), "")

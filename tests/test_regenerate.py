@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_dir
 from fastdecode.config import CONFIG_DIR, ConfigError, load_group
 from fastdecode.data.chat import user_prompt_ids
 from fastdecode.data.config import DataConfig
-from fastdecode.data.sources import read_records, split_records
+from fastdecode.data.sources import read_records
+from fastdecode.data.splits import split_records
 from fastdecode.decoding import DecodeConfig, get_decoder
 from fastdecode.model import EarlyExitModel
 from fastdecode_cli.regenerate import run
@@ -53,7 +54,7 @@ def test_answers_are_the_models_greedy_output_and_a_rerun_resumes(tmp_path):
     assert rec["response"] == tok.decode(alone.tokens[0], skip_special_tokens=True)
     # Prompts come from the training split only: none of them is a held-out prompt.
     data = load_group("data", "jsonl", DataConfig, path=str(tmp_path / "chat.jsonl"), held_out=4)
-    _, held_out = split_records(read_records(data), 4, data.split_seed)
+    _, held_out, _ = split_records(read_records(data), 4, data.split_seed)
     held = {r["messages"][0]["content"] for r in held_out}
     assert len(held) == 4 and not held & {json.loads(line)["prompt"] for line in lines_after}
 

@@ -35,6 +35,7 @@ from fastdecode.config import (
     unknown_name_error,
 )
 from fastdecode.data.config import DataConfig
+from fastdecode.data.splits import SPLITS
 
 ENGINES = ("fastdecode", "hf")
 MODES = ("compare", "sweep")
@@ -125,8 +126,8 @@ def _positive(job: SpeedJob) -> None:
         raise ConfigError(f"temperatures={job.temperatures}: give at least one, each >= 0 (0 = greedy).")
     if job.mode not in MODES:
         raise unknown_name_error("mode", job.mode, list(MODES))
-    if job.prompt_split not in ("auto", "all", "train", "held_out"):
-        raise unknown_name_error("prompt_split", job.prompt_split, ["auto", "all", "train", "held_out"])
+    if job.prompt_split not in ("auto", *SPLITS):
+        raise unknown_name_error("prompt_split", job.prompt_split, ["auto", *SPLITS])
     if job.chat_template not in ("auto", "always", "never"):
         raise unknown_name_error("chat_template", job.chat_template, ["auto", "always", "never"])
 

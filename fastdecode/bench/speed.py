@@ -32,10 +32,11 @@ log = logging.getLogger(__name__)
 
 
 def read_prompt_records(job: SpeedJob) -> list[dict]:
-    """The prompt records: benchmarks whole, training sets held-out only (``prompt_split=auto``)."""
+    """The prompt records (``prompt_split=auto``): the data config's ``eval_split`` when it names one, else
+    benchmarks whole and training sets held-out only."""
     split = job.prompt_split
     if split == "auto":
-        split = "all" if job.data.eval_only else "held_out"
+        split = job.data.eval_split or ("all" if job.data.eval_only else "held_out")
     records = load_records(job.data, split)
     if not records:
         raise ConfigError(f"data '{job.data.name}' has no records in split '{split}'.")

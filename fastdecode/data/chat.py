@@ -18,7 +18,8 @@ import torch
 
 from fastdecode.config import ConfigError
 from fastdecode.data.config import DataConfig, check_trainable
-from fastdecode.data.sources import read_records_with_stats, split_records
+from fastdecode.data.sources import read_records_with_stats
+from fastdecode.data.splits import split_records
 from fastdecode.tokens import IGNORE_INDEX
 
 __all__ = [
@@ -226,7 +227,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[list[dict], list[di
     """
     check_trainable(cfg)
     records, stats = read_records_with_stats(cfg)
-    train_recs, held_recs = split_records(records, cfg.held_out, cfg.split_seed)
+    train_recs, held_recs, _ = split_records(records, cfg.held_out, cfg.split_seed, cfg.grounded)
     if cfg.max_samples is not None:
         train_recs = train_recs[: cfg.max_samples]
     train, truncated, dropped = _tokenize_all(train_recs, tokenizer, cfg)

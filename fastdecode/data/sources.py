@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import codecs
 import gzip
-import hashlib
 import json
 import logging
 import re
@@ -24,6 +23,7 @@ from typing import Any
 
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.data.config import DataConfig, require_path
+from fastdecode.data.splits import SPLITS, split_records
 
 logger = logging.getLogger(__name__)
 
@@ -280,26 +280,6 @@ def read_hf(cfg: DataConfig) -> tuple[list[dict], ReadStats]:
     return records, stats
 
 
-def split_records(records: list[dict], held_out: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """Deterministic, disjoint (train, held_out) split; both keep the input order.
-
-    Records are ranked by ``sha256(seed:id)``, so the split depends on ids only (not on file order, not on
-    ``max_samples``). Records sharing an id land on the same side; with unique ids exactly ``held_out`` are held.
-    """
-
-    def rank(rid: str) -> str:
-        return hashlib.sha256(f"{seed}:{rid}".encode()).hexdigest()
-
-    held_ids: set[str] = set()
-    count, held = Counter(r["id"] for r in records), 0
-    for rid in sorted(count, key=rank):
-        if held >= held_out:
-            break
-        held_ids.add(rid)
-        held += count[rid]
-    return [r for r in records if r["id"] not in held_ids], [r for r in records if r["id"] in held_ids]
-
-
 def _packaged_file(cfg: DataConfig) -> Path:
     if cfg.path:
         if not Path(cfg.path).is_file():
@@ -341,17 +321,18 @@ def _all_kept(records: list[dict]) -> tuple[list[dict], ReadStats]:
 
 
 def load_records(cfg: DataConfig, split: str = "all") -> list[dict]:
-    """``cfg``'s records; ``split`` is all | train | held_out (see ``split_records``).
+    """``cfg``'s records; ``split`` is all | train | held_out | grounded (``fastdecode/data/splits.py``).
 
-    ``max_samples`` caps "train" (after the split, so the held-out part does not depend on it) and "all"
-    (e.g. the first N benchmark questions); "held_out" is never capped.
+    ``max_samples`` caps "train" (after the split, so the set-aside parts do not depend on it) and "all"
+    (e.g. the first N benchmark questions); "held_out" and "grounded" are never capped.
     """
-    if split not in ("all", "train", "held_out"):
-        raise unknown_name_error("data split", split, ["all", "train", "held_out"])
+    if split not in SPLITS:
+        raise unknown_name_error("data split", split, list(SPLITS))
     records = read_records(cfg)
     if split != "all":
-        train, held = split_records(records, cfg.held_out, cfg.split_seed)
-        records = train if split == "train" else held
-    if split != "held_out" and cfg.max_samples is not None:
+        parts = split_records(records, cfg.held_out, cfg.split_seed, cfg.grounded)
+        parts = dict(zip(SPLITS[1:], parts, strict=True))
+        records = parts[split]
+    if split in ("all", "train") and cfg.max_samples is not None:
         records = records[: cfg.max_samples]
     return records
