@@ -89,7 +89,6 @@ class ReportConfig:
     )
     speed_new_tokens: int = 32
     min_speedup: float = 1.05  # an exit is "chosen" only if the cost model expects at least this
-    verify_cost: float = 1.0  # cost of a verification in full forwards, for the choice (CPU: measured > 1)
 
 
 @dataclass

@@ -2,13 +2,16 @@
 
     >>> import fastdecode
     >>> fd = fastdecode.from_pretrained("outputs/layerskip-smollm2-135m/final")   # or a hub id, or "tiny-llama"
-    >>> out = fd.generate("What is 2 + 2?", max_new_tokens=32)                     # self_speculative at its E
-    >>> out.text, out.acceptance, out.tokens_per_verification, out.layers_per_token
+    >>> out = fd.generate("What is 2 + 2?", max_new_tokens=32)                     # what pays on this model
+    >>> out.text, out.method, out.acceptance, out.tokens_per_verification, out.layers_per_token
 
 ``from_pretrained`` reads from a checkpoint directory the exit E (``fastdecode.json``, else
 ``generation_config.assistant_early_exit``), the exit adapter (``exit_adapter/``), ``draft_vocab.json`` and
 ``skipdecode.json``; ``generate`` uses them as the defaults of the ``DecodeConfig`` options, stops at the
-tokenizer's (and the generation config's) EOS and renders text through the tokenizer's chat template. Options
+tokenizer's (and the generation config's) EOS and renders text through the tokenizer's chat template. The
+default method, ``auto``, decodes with the first decoder of ``fastdecode.choose.plan_decoding``: prompt lookup
+chained before the checkpoint's exit or exit adapter when the acceptance it records is expected to pay, else
+prompt lookup alone (works on every model). Options
 are ``DecodeConfig`` fields; Hugging Face's names are accepted as aliases (``ALIASES``). This module stands on
 the decoders and the loader only: no training package, no entry point, no benchmark.
 """
@@ -22,8 +25,10 @@ from typing import Any
 
 import torch
 
-from fastdecode.checkpoint_info import checkpoint_label, recommended_exit
+from fastdecode.checkpoint_info import checkpoint_label, recommended_exit, recorded_acceptance
+from fastdecode.choose import Plan, plan_decoding, recorded_adapter
 from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
+from fastdecode.cost import decoding_costs
 from fastdecode.decoding import DecodeConfig, DecodeOutput, get_decoder
 from fastdecode.decoding.common import streaming
 from fastdecode.decoding.skipdecode import read_skip_options
@@ -47,6 +52,7 @@ ALIASES = {
 }
 SCHEDULES = {"constant": "constant", "heuristic": "heuristic", "heuristic_transient": "heuristic"}
 SKIPDECODE_FILE = "skipdecode.json"
+AUTO = "auto"  # generate(method=AUTO): the plan's first decoder (fastdecode/choose.py)
 
 
 @dataclasses.dataclass
@@ -58,7 +64,7 @@ class GenerationResult:
     ids: list[list[int]]
     output: DecodeOutput
     config: DecodeConfig
-    method: str
+    method: str  # the decoder that ran (``auto`` resolved)
     single: bool  # the input was one prompt: ``text`` is its string
 
     @property
@@ -130,23 +136,41 @@ class FastDecoder:
         self.model, self.tokenizer, self.m = model, tokenizer, EarlyExitModel(model)
         self.directory = directory
         self.defaults = _checkpoint_defaults(directory, adapter, recommended)
+        self._plan: Plan | None = None
+
+    def plan(self) -> Plan:
+        """The lossless decoders the cost model expects to pay on this model with what its checkpoint records
+        (``fastdecode.choose.plan_decoding``; the cost model is measured once, on the first call)."""
+        if self._plan is None:
+            adapter = self.defaults.get("self_speculative", {}).get("adapter")
+            self._plan = plan_decoding(
+                self.m,
+                decoding_costs(self.m),
+                exit_agreement=recorded_acceptance(self.directory),
+                adapter=recorded_adapter(adapter) if adapter else None,
+            )
+        return self._plan
 
     def generate(
         self,
         inputs: str | list[str] | list[int] | list[list[int]] | torch.Tensor | dict,
         *,
         max_new_tokens: int = 64,
-        method: str = "self_speculative",
+        method: str = AUTO,
         streamer: Any = None,
         chat: bool | None = None,
         **options: Any,
     ) -> GenerationResult:
         """Decode ``inputs``: a text, a list of texts, token ids (``[T]`` list or tensor), a batch of them
         (``[[...], ...]``, ``[B, T]`` tensor) or a tokenizer batch (``input_ids`` + ``attention_mask``, left or
-        right padded). ``method``: a ``fastdecode.decoding.DECODERS`` name. ``options``: ``DecodeConfig``
+        right padded). ``method``: a ``fastdecode.decoding.DECODERS`` name, or ``auto`` (the plan's first
+        decoder, ``plan``). ``options``: ``DecodeConfig``
         fields or their HF aliases. ``chat``: render texts through the chat template (None: when the tokenizer
         has one). ``streamer``: an HF-style streamer (``put(ids)``, ``end()``), batch 1 only."""
         prompts, single, is_text = self._prompts(inputs, chat)
+        if method == AUTO:
+            best = self.plan().best
+            method, options = best.method, best.options | options
         cfg = self.config(method, max_new_tokens=max_new_tokens, **options)
         if streamer is not None and len(prompts) > 1:
             raise ConfigError(f"streamer= streams one row; got a batch of {len(prompts)}: pass one prompt.")

@@ -63,6 +63,22 @@ def recommended_exit(directory: str | os.PathLike | None) -> tuple[int | None, s
     return None, "unset"
 
 
+def recorded_acceptance(directory: str | os.PathLike | None) -> dict[int, float] | None:
+    """Per-exit greedy draft acceptance recorded with a checkpoint: the LayerSkip recipe's
+    ``exit_report.json`` (agreement of each exit with the final layer on the model's own generations, after
+    training), in the checkpoint directory or the run directory above it. None when there is none."""
+    if not directory:
+        return None
+    for path in (Path(directory) / "exit_report.json", Path(directory).parent / "exit_report.json"):
+        if path.is_file():
+            report = json.loads(path.read_text(encoding="utf-8"))
+            report = report.get("after") or report
+            agreement = (report.get("generations") or {}).get("agreement")
+            if agreement:
+                return {int(k): float(v) for k, v in agreement.items()}
+    return None
+
+
 def hf_config(directory: str | os.PathLike) -> dict:
     """``config.json`` of a checkpoint directory as a mapping."""
     path = Path(directory) / "config.json"
@@ -80,7 +96,9 @@ def _model_depth(model: ModelConfig) -> int | None:
     return None
 
 
-def check_agrees(model: ModelConfig, checkpoint: str | os.PathLike, depth_of_model: int | None = None) -> None:
+def check_agrees(
+    model: ModelConfig, checkpoint: str | os.PathLike, depth_of_model: int | None = None
+) -> None:
     """Refuse a model config that contradicts ``checkpoint``: another family or another depth (the model's
     depth from ``depth_of_model`` when the caller read it, else when it is known without a download)."""
     config = hf_config(checkpoint)
@@ -127,4 +145,6 @@ def checkpoint_model(model: ModelConfig, checkpoint: str | None) -> ModelConfig:
 def base_model(checkpoint: str | None) -> ModelConfig | None:
     """The model a checkpoint was trained from, as recorded in its sidecar (None when not recorded)."""
     node = read_sidecar(checkpoint).get("base_model")
-    return None if node is None else to_dataclass(ModelConfig, node, f"{checkpoint}/{SIDECAR_FILE}: base_model")
+    return (
+        None if node is None else to_dataclass(ModelConfig, node, f"{checkpoint}/{SIDECAR_FILE}: base_model")
+    )

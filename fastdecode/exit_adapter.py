@@ -181,11 +181,6 @@ class ExitAdapter(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def cost_in_blocks(self, m: EarlyExitModel) -> float:
-        """Weights read per drafted token, as a multiple of one of the model's blocks (block kind: ~1)."""
-        block = sum(p.numel() for p in m.layers[0].parameters())
-        return self.num_parameters() / max(1, block)
-
 
 def build_adapter(
     m: EarlyExitModel, exit_layer: int, kind: str = "block", init: str = "last", zero_residual: bool = False

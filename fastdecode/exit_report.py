@@ -111,56 +111,6 @@ def generation_report(m: EarlyExitModel, generations: list[tuple[list, int]]) ->
     return stats.summary() | {"tokens": stats.tokens}
 
 
-def expected_tokens_per_step(alpha: float, draft: int) -> float:
-    """Tokens per verification with i.i.d. acceptance ``alpha`` and ``draft`` drafted tokens."""
-    if alpha >= 1.0:
-        return draft + 1.0
-    return (1 - alpha ** (draft + 1)) / (1 - alpha)
-
-
-def head_cost_in_blocks(model) -> float:
-    """The LM head's weights as a multiple of one decoder block's (SmolLM2-135M: ~8; Llama-2-7B: 0.65): an
-    early exit pays the whole head, so a shallow exit of a small-block model is not cheap."""
-    m = model if isinstance(model, EarlyExitModel) else EarlyExitModel(model)
-    head = m.step_cost(depth=0)
-    return head / max(1, (m.step_cost() - head) / m.num_layers)
-
-
-def choose_exit(
-    agreement: dict[int, float],
-    num_layers: int,
-    max_draft: int = 8,
-    min_speedup: float = 1.05,
-    head_cost: float = 0.0,
-    draft_blocks: dict[int, float] | None = None,
-    verify_cost: float = 1.0,
-) -> dict:
-    """The exit E and draft length K with the best expected self-speculation speedup.
-
-    Cost model (units of one full forward, memory-bound decoding, ``h = head_cost`` in blocks): a drafted token
-    costs ``c = (E + h) / (L + h)``; one round (K drafts, the last draft's pass through layers < E, the
-    verification through layers >= E and the head) costs ``K * c + verify_cost`` (1 when a verification of
-    K+1 positions costs one step, as on a memory-bound GPU). Speedup = tokens per round / cost.
-    ``draft_blocks[E]``: a drafted token's cost in blocks when it is not ``E + h`` (an exit adapter adds its
-    own weights; a draft vocabulary shrinks the head). Returns ``exit: None`` when no exit is expected to gain
-    ``min_speedup`` (speculating would not pay), with the best pair found (even a slowdown) as ``best_found``.
-    """
-    best = {"exit": None, "draft": 0, "expected_speedup": 0.0}
-    for exit_, alpha in agreement.items():
-        exit_ = int(exit_)
-        if exit_ >= num_layers:
-            continue
-        blocks = (draft_blocks or {}).get(exit_, exit_ + head_cost)
-        cost = blocks / (num_layers + head_cost)
-        for k in range(1, max_draft + 1):
-            speedup = expected_tokens_per_step(alpha, k) / (k * cost + verify_cost)
-            if speedup > best["expected_speedup"]:
-                best = {"exit": exit_, "draft": k, "expected_speedup": speedup}
-    if best["expected_speedup"] < min_speedup:
-        best = {"exit": None, "draft": 0, "expected_speedup": 1.0, "best_found": best}
-    return best
-
-
 @torch.no_grad()
 def adapter_generation_report(
     m: EarlyExitModel, adapters: dict, generations: list[tuple[list, int]], vocab: torch.Tensor | None = None

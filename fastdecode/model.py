@@ -126,6 +126,8 @@ class EarlyExitModel:
         self._head_subset: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None] | None = None
         self._engine: Engine | None = None  # the selected execution engine (None: the HF modules)
         self._engines: dict[tuple, Engine] = {}  # built engines, by what their layers depend on
+        # Measurements made on this model, kept while it lives (fastdecode/cost.py: the cost model per engine)
+        self.measurements: dict[tuple, object] = {}
 
     # ----------------------------------------------------------------------------------------------------
     # Geometry

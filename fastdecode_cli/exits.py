@@ -36,11 +36,14 @@ class ExitsJob:
 
 def run(cfg: Any) -> dict:
     """Measure the model (and its base, with a checkpoint) and write the report; returns it."""
+    from fastdecode.choose import choose_exit
+    from fastdecode.cost import decoding_costs
     from fastdecode.data.chat import build_datasets
     from fastdecode.data.config import check_data_files
-    from fastdecode.exit_report import choose_exit, exit_report, head_cost_in_blocks, plot_reports
+    from fastdecode.exit_report import exit_report, plot_reports
     from fastdecode.io import atomic_write_json
     from fastdecode.loading import load_model
+    from fastdecode.model import EarlyExitModel
 
     job = to_dataclass(ExitsJob, cfg, "")
     check_data_files(job.data)  # before any model loads
@@ -55,9 +58,9 @@ def run(cfg: Any) -> dict:
             model, tokenizer, held_out, prompts, job.max_new_tokens, job.held_out_examples
         )
         agreement = reports[label]["generations"]["agreement"]
-        reports[label]["recommended"] = choose_exit(
-            agreement, model.config.num_hidden_layers, job.max_draft, head_cost=head_cost_in_blocks(model)
-        )
+        costs = decoding_costs(EarlyExitModel(model))
+        reports[label]["recommended"] = choose_exit(agreement, costs, max_draft=job.max_draft)
+        reports[label]["costs"] = costs.to_json()
         if job.adapter and label != "base":
             reports[label]["adapters"] = adapter_report(model, tokenizer, job, prompts)
     out = Path(job.output_dir)
@@ -89,13 +92,10 @@ def adapter_report(model, tokenizer, job: ExitsJob, prompts: list[str]) -> dict:
     """Raw exit vs exit adapter on the model's own greedy generations, and the head-aware choice."""
     import json
 
+    from fastdecode.choose import adapter_draft_costs, choose_exit
+    from fastdecode.cost import decoding_costs
     from fastdecode.exit_adapter import INDEX_FILE, load_adapter
-    from fastdecode.exit_report import (
-        adapter_generation_report,
-        choose_exit,
-        greedy_generations,
-        head_cost_in_blocks,
-    )
+    from fastdecode.exit_report import adapter_generation_report, greedy_generations
     from fastdecode.model import EarlyExitModel
 
     m = EarlyExitModel(model)
@@ -115,17 +115,12 @@ def adapter_report(model, tokenizer, job: ExitsJob, prompts: list[str]) -> dict:
     adapters = {a.exit_layer: a for a, _, _ in loaded}
     generations = greedy_generations(model, tokenizer, prompts, job.max_new_tokens)
     report = adapter_generation_report(m, adapters, generations, vocab)
-    block = sum(p.numel() for p in m.layers[0].parameters())
-    head = m.step_cost(depth=0, head_rows=None if vocab is None else len(vocab)) / block
-    blocks = {e: e + a.cost_in_blocks(m) + head for e, a in adapters.items()}
+    costs = decoding_costs(m)
+    draft_costs = adapter_draft_costs(costs, m, adapters, vocab)
     report["recommended"] = choose_exit(
-        report["adapter"],
-        m.num_layers,
-        job.max_draft,
-        head_cost=head_cost_in_blocks(model),
-        draft_blocks=blocks,
+        report["adapter"], costs, draft_costs=draft_costs, max_draft=job.max_draft
     )
-    report["draft_blocks"] = blocks
+    report["draft_costs"] = draft_costs
     return report
 
 

@@ -12,14 +12,10 @@ from typing import Any
 import torch
 
 from adapter_train.config import ExitAdapterConfig
+from fastdecode.choose import RecordedAdapter, adapter_draft_costs, choose_exit, plan_decoding
+from fastdecode.cost import decoding_costs, exit_draft_cost
 from fastdecode.exit_adapter import ExitAdapter
-from fastdecode.exit_report import (
-    adapter_generation_report,
-    choose_exit,
-    greedy_generations,
-    head_cost_in_blocks,
-    model_perplexity,
-)
+from fastdecode.exit_report import adapter_generation_report, greedy_generations, model_perplexity
 from fastdecode.identity import weights_fingerprint
 from fastdecode.io import atomic_write_json
 from fastdecode.model import EarlyExitModel
@@ -38,13 +34,6 @@ def cached_generations(model, tokenizer, prompts: list[str], max_new_tokens: int
     generations = greedy_generations(model, tokenizer, prompts, max_new_tokens)
     atomic_write_json(path, generations)
     return generations
-
-
-def draft_blocks(m: EarlyExitModel, adapters: dict, vocab) -> dict[int, float]:
-    """A drafted token's cost in blocks per exit: E blocks, the adapter, the drafter's head (its rows)."""
-    block = sum(p.numel() for p in m.layers[0].parameters())
-    head = m.step_cost(depth=0, head_rows=None if vocab is None else len(vocab)) / block
-    return {e: e + a.cost_in_blocks(m) + head for e, a in adapters.items()}
 
 
 def report(
@@ -69,26 +58,35 @@ def report(
     with torch.no_grad():
         agreement = adapter_generation_report(m, adapters, generations, vocab)
         ppl = model_perplexity(m, report_set, r.held_out_examples)
-    blocks = draft_blocks(m, adapters, vocab)
-    head = head_cost_in_blocks(m)
+    costs = decoding_costs(m)
+    draft_costs = adapter_draft_costs(costs, m, adapters, vocab)
     choice = choose_exit(
-        agreement["adapter"], m.num_layers, r.max_draft, r.min_speedup, head, blocks, r.verify_cost
+        agreement["adapter"], costs, draft_costs=draft_costs, max_draft=r.max_draft, min_speedup=r.min_speedup
     )
+    rows = None if vocab is None else len(vocab)
+    raw_costs = {e: exit_draft_cost(costs, m, e, head_rows=rows) for e in adapters}
     raw_choice = choose_exit(
-        agreement["raw"], m.num_layers, r.max_draft, r.min_speedup, head, blocks, r.verify_cost
+        agreement["raw"], costs, draft_costs=raw_costs, max_draft=r.max_draft, min_speedup=r.min_speedup
     )
-    index |= {"chosen": choice["exit"], "choice": choice, "agreement": agreement, "draft_blocks": blocks}
+    index |= {"chosen": choice["exit"], "choice": choice, "agreement": agreement, "draft_costs": draft_costs}
     best = choice["exit"] or (choice.get("best_found") or {}).get("exit")
     speed = {}
     if best is not None and r.speed_prompts > 0:
-        adapter = {"adapter": str(stage / f"E{best}")}
-        speed = speed_line(m, tokenizer, prompts, r, adapter, f"through the exit adapter (E{best})")
+        recorded = RecordedAdapter(
+            str(stage / f"E{best}"),
+            best,
+            adapters[best].num_parameters(),
+            None if vocab is None else len(vocab),
+            agreement["adapter"][best],
+        )
+        speed = speed_line(m, tokenizer, prompts, r, plan_decoding(m, costs, adapter=recorded))
     log.info("exit adapters: agreement %s, chosen %s", agreement, choice)
     return index, {
         "agreement": agreement,
         "chosen": choice,
         "raw_exit_choice": raw_choice,
-        "draft_blocks": blocks,
+        "draft_costs": draft_costs,
+        "costs": costs.to_json(),
         "perplexity": ppl,
         "speed": speed,
     }

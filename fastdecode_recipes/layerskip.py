@@ -13,13 +13,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from fastdecode.choose import choose_exit, plan_decoding
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
+from fastdecode.cost import decoding_costs
 from fastdecode.data.chat import build_datasets
 from fastdecode.data.config import DataConfig
 from fastdecode.data.draft_vocab import draft_vocab_from_examples
 from fastdecode.distributed import world_size
 from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE, save_draft_vocab
-from fastdecode.exit_report import choose_exit, exit_report, head_cost_in_blocks, plot_reports
+from fastdecode.exit_report import exit_report, plot_reports
 from fastdecode.io import atomic_write_json
 from fastdecode.model import EarlyExitModel
 from fastdecode_recipes.common import TrainJob
@@ -159,22 +161,13 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
     return finetune(job, cfg, LayerSkip(job)).summary
 
 
-def _best_found(choice: dict) -> int | None:
-    return (choice.get("best_found") or {}).get("exit")
-
-
-def _speed_line(
-    final, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, exit_layer: int | None
-) -> dict:
-    """The closing speed line at ``exit_layer`` on a few held-out prompts (empty without an exit)."""
-    if exit_layer is None:
-        return {}
+def _speed_line(m: EarlyExitModel, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, agreement, costs):
+    """The closing speed line: the decoders the cost model expects to pay with this checkpoint's recorded
+    acceptance (``fastdecode.choose.plan_decoding``) against autoregressive decoding, on a few held-out
+    prompts."""
+    plan = plan_decoding(m, costs, exit_agreement=agreement)
     prompts = [ex["prompt"] for ex in held_out if ex.get("prompt")]
-    drafting = {"exit_layer": exit_layer}
-    result = speed_line(
-        EarlyExitModel(final), tokenizer, prompts, rcfg.report, drafting, f"at E={exit_layer}"
-    )
-    return result | {"exit": exit_layer} if result else {}
+    return speed_line(m, tokenizer, prompts, rcfg.report, plan)
 
 
 def _write_draft_vocab(
@@ -216,19 +209,22 @@ def _finish(
 ) -> dict:
     """Exit report after training, the recommended exit in generation_config (written into the export's
     staging directory ``stage``), report JSON + plot."""
-    num_layers = final.config.num_hidden_layers
     after = _report(final, tokenizer, held_out, rcfg) if rcfg.report.enabled else None
+    agreement = after["generations"]["agreement"] if after is not None else None
+    m = EarlyExitModel(final)
+    costs = decoding_costs(m) if agreement is not None else None
     if rcfg.exit_layer is not None:
         choice = {"exit": rcfg.exit_layer, "source": "config"}
-    elif after is not None:
-        agreement, head = after["generations"]["agreement"], head_cost_in_blocks(final)
-        choice = choose_exit(agreement, num_layers, rcfg.report.max_draft, head_cost=head)
+    elif agreement is not None:
+        choice = choose_exit(agreement, costs, max_draft=rcfg.report.max_draft)
         choice["source"] = "exit report"
     else:
         choice = {"exit": None, "source": "no report"}
     _record_exit(final, stage, choice, rcfg)
     report = {"before": before, "after": after, "recommended": choice}
-    report["speed"] = _speed_line(final, tokenizer, held_out, rcfg, choice.get("exit") or _best_found(choice))
+    if costs is not None:
+        report["costs"] = costs.to_json()
+        report["speed"] = _speed_line(m, tokenizer, held_out, rcfg, agreement, costs)
     atomic_write_json(out / "exit_report.json", report)
     if before and after:
         plot_reports({"before": before, "after": after}, str(out / "exit_report.png"))

@@ -10,7 +10,7 @@ import torch
 
 from fastdecode.config import ConfigError
 from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig, get_decoder
-from fastdecode.decoding import assisted as assisted_module
+from fastdecode.decoding import proposers as proposers_module
 from tests.conftest import ENGINES, REFERENCE
 from tests.helpers import (
     assisted_target,
@@ -94,13 +94,13 @@ def test_drafter_cache_holds_exactly_the_accepted_tokens(monkeypatch):
     m, draft = assisted_target(), draft_model("copy")
     prompts = random_prompts(3, seed=14)
     states = []
-    original = assisted_module.prefill
+    original = proposers_module.prefill
 
     def spy(*args, **kwargs):
         states.append(original(*args, **kwargs))
         return states[-1]
 
-    monkeypatch.setattr(assisted_module, "prefill", spy)
+    monkeypatch.setattr(proposers_module, "prefill", spy)  # the target's prefill, then the drafter's
     cfg = DecodeConfig(max_new_tokens=16, draft_tokens=3, policy="heuristic")
     out = assisted(m, prompts, cfg, draft=draft)
     assert 0 < out.acceptance_rate < 1

@@ -153,21 +153,30 @@ def test_confidence_policy_stops_right_after_the_unconfident_token():
 
 def test_policies_unit():
     heuristic = Heuristic(4)
-    heuristic.update([4, None, 4], 4)
+    heuristic.update([4, None, 4], [4, None, 4])
     assert heuristic.draft_limit() == 6
-    heuristic.update([6, 2], 6)
+    heuristic.update([6, 2], [6, 6])
     assert heuristic.draft_limit() == 5
+    heuristic.update([1, 3], [1, 3])  # ragged drafts (n-gram rows): each row accepted all it drafted
+    assert heuristic.draft_limit() == 7
     confidence = Confidence(4, threshold=0.5)
     active = torch.tensor([True, False])
     assert not confidence.keep_drafting(torch.tensor([0.4, 0.9]), active)  # the finished row does not count
     assert confidence.keep_drafting(torch.tensor([0.6, 0.1]), active)
-    adaptive = Adaptive(8, cost_ratio=0.5)
+    adaptive = Adaptive(8, marginal=[0.5] * 8)
     adaptive.begin()
     keeps = [bool(adaptive.keep_drafting(torch.tensor([0.8]), torch.tensor([True]))) for _ in range(4)]
     assert keeps == [True, True, True, False]  # products 0.8, 0.64, 0.512 > c = 0.5 >= 0.41
-    adaptive.update([0], 4)  # the first draft was rejected: calibration (1 + 0) / (1 + 0.8) = 0.56
+    adaptive.update([0], [4])  # the first draft was rejected: calibration (1 + 0) / (1 + 0.8) = 0.56
     adaptive.begin()
     assert not adaptive.keep_drafting(torch.tensor([0.8]), torch.tensor([True]))
+    # The marginal cost of each further token is the policy's bar: a step up in verification cost (the
+    # T=3 -> T=4 step of a CPU) stops a draft that a flat cost would let grow.
+    for marginal, expected in (([0.2, 0.2, 0.85, 0.3], [True, False]), ([0.2] * 4, [True, True])):
+        stepped = Adaptive(8, marginal=marginal)
+        stepped.begin()
+        keeps = [bool(stepped.keep_drafting(torch.tensor([0.9]), torch.tensor([True]))) for _ in range(2)]
+        assert keeps == expected  # after 2 drafts the estimate 0.81 is below the 3rd token's cost 0.85
 
 
 def test_every_policy_derives_from_draft_policy():
@@ -176,9 +185,9 @@ def test_every_policy_derives_from_draft_policy():
         Constant
     ]  # not a base for the others
     for policy in POLICIES.values():
-        assert policy(3, threshold=0.5, cost_ratio=0.25).draft_limit() == 3
-        with pytest.raises(TypeError):  # threshold and cost_ratio are keyword-only
-            policy(3, 0.5, 0.25)
+        assert policy(3, threshold=0.5, marginal=[0.25] * 3).draft_limit() == 3
+        with pytest.raises(TypeError):  # threshold and marginal are keyword-only
+            policy(3, 0.5, [0.25])
 
 
 def test_accept_returns_a_verdict_with_named_fields():
@@ -186,18 +195,23 @@ def test_accept_returns_a_verdict_with_named_fields():
     target = torch.tensor([[1, 2, 3, 4], [1, 5, 3, 0]])  # row 0 agrees with all 3 drafts, row 1 with one
     logits = torch.full((2, 4, 6), -1e4).scatter_(-1, target[..., None], 0.0)
     tokens = torch.tensor([[1, 2, 3], [1, 2, 3]])
-    greedy = accept(
-        logits, Draft(torch.zeros(2, 4, 1), tokens, None), DecodeConfig(4), generator=torch.Generator()
-    )
-    assert isinstance(greedy, Verdict) and Verdict._fields == ("accepted", "next_token", "oracle")
+    greedy = accept(logits, Draft(tokens), DecodeConfig(4), generator=torch.Generator())
+    assert isinstance(greedy, Verdict)
+    assert Verdict._fields == ("accepted", "next_token", "oracle", "target")
     assert greedy.accepted.tolist() == [3, 1] and greedy.oracle.tolist() == [3, 1]
     assert greedy.next_token.tolist() == [4, 5]  # the bonus token, and the correction after one draft
     # Sampling with q == p: every draft the target would draw is accepted (r * q < p for r < 1).
     cfg = DecodeConfig(4, temperature=1.0)
     q = probabilities(logits[:, :3], cfg)
-    sampled = accept(logits, Draft(torch.zeros(2, 4, 1), target[:, :3], q), cfg, generator=torch.Generator())
+    sampled = accept(logits, Draft(target[:, :3], q), cfg, generator=torch.Generator())
     assert sampled.accepted.tolist() == [3, 3] and sampled.oracle.tolist() == [3, 3]
     assert sampled.next_token.tolist() == [4, 0]  # the bonus token drawn from p at the last position
+    # Ragged drafts: row 1 drafted one token only; padding after it is never accepted, and its bonus token
+    # is drawn from p right after its own draft.
+    ragged = accept(logits, Draft(target[:, :3], q, lengths=[3, 1]), cfg, generator=torch.Generator())
+    assert ragged.accepted.tolist() == [3, 1] and ragged.next_token.tolist() == [4, 5]
+    greedy = accept(logits, Draft(tokens, lengths=[2, 3]), DecodeConfig(4), generator=torch.Generator())
+    assert greedy.accepted.tolist() == [2, 1] and greedy.next_token.tolist() == [3, 5]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -257,7 +271,7 @@ def test_cache_after_self_speculation_is_the_full_model_cache(engine):
     """After decoding, the valid slots of a row are exactly its prompt and fed tokens (holes masked)."""
     m = lively_model("tiny-llama", 0.1)
     prompts = random_prompts(3, seed=9)
-    from fastdecode.decoding import self_speculative as module
+    from fastdecode.decoding import proposers as module
 
     captured = {}
     original = module.prefill

@@ -98,7 +98,7 @@ def test_greedy_through_an_adapter_with_a_draft_vocabulary_and_many_rows(tmp_pat
 def test_the_adapter_cache_layer_is_filled_and_rolled_back_with_the_rest(tmp_path):
     m = lively_model("tiny-llama", 0.1)
     path = _saved(tmp_path, m, perturbed_adapter(m, 2, "attention"), "E2")
-    from fastdecode.decoding import self_speculative as module
+    from fastdecode.decoding import proposers as module
 
     captured, original = {}, module.prefill
 

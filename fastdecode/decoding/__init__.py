@@ -14,9 +14,17 @@ from __future__ import annotations
 from typing import Protocol
 
 from fastdecode.config import unknown_name_error
-from fastdecode.decoding import assisted, autoregressive, jacobi, self_speculative, skipdecode
+from fastdecode.decoding import (
+    assisted,
+    autoregressive,
+    jacobi,
+    lookahead,
+    prompt_lookup,
+    self_speculative,
+    skipdecode,
+)
 from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, prefill
-from fastdecode.decoding.options import JacobiOptions, SkipOptions
+from fastdecode.decoding.options import JacobiOptions, LookupOptions, SkipOptions
 from fastdecode.decoding.policies import POLICIES, DraftPolicy
 from fastdecode.model import EarlyExitModel
 
@@ -35,6 +43,8 @@ DECODERS: dict[str, Decoder] = {
     "autoregressive": autoregressive.generate,
     "assisted": assisted.generate,
     "self_speculative": self_speculative.generate,
+    "prompt_lookup": prompt_lookup.generate,
+    "lookahead": lookahead.generate,
     "skipdecode": skipdecode.generate,
     "jacobi": jacobi.generate,
 }
@@ -55,6 +65,7 @@ __all__ = [
     "Decoder",
     "DraftPolicy",
     "JacobiOptions",
+    "LookupOptions",
     "SkipOptions",
     "check",
     "get_decoder",

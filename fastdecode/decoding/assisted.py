@@ -15,29 +15,23 @@ next draft must attend to it; the verifier's own token (``t`` of the next round)
 start of that round. Drafting d_k costs one drafter pass per round (HF instead re-feeds it next round), and
 dynamic policies need that pass anyway to read their stop flag without a host sync (``LaggedFlag``).
 
-Batches of any size decode with ragged acceptance (HF refuses batch > 1). The draft-length policies get the
-cost ratio c = drafter step / target step, from the weights each reads per token (``step_cost``; a draft
-vocabulary shrinks the drafter's head).
+Batches of any size decode with ragged acceptance (HF refuses batch > 1). This is the speculative loop
+(``speculative.py``) over a ``DraftModelProposer`` (``proposers.py``); its cost per drafted token is the draft
+model's step in the target's (both measured, ``fastdecode/cost.py``; a draft vocabulary shrinks the drafter's
+head). With ``decoder.chain=true`` rows draft by prompt lookup where their text matches.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fastdecode.cache import KVCache
 from fastdecode.config import ConfigError
-from fastdecode.decoding import speculative
-from fastdecode.decoding.common import (
-    DecodeConfig,
-    DecodeOutput,
-    Rows,
-    check,
-    choose,
-    configure_engine,
-    new_generator,
-    prefill,
-)
+from fastdecode.cost import cost_model
+from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, configure_engine, new_generator
 from fastdecode.decoding.draft_vocab import draft_vocab_ids
+from fastdecode.decoding.ngram import ChainProposer, PromptLookupProposer
+from fastdecode.decoding.proposers import DraftModelProposer
+from fastdecode.decoding.speculative import speculate
 from fastdecode.model import EarlyExitModel
 
 
@@ -75,24 +69,6 @@ def check_draft(
         )
 
 
-def _verify(
-    m: EarlyExitModel,
-    cache: KVCache,
-    last: torch.Tensor,
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    active: torch.Tensor,
-) -> torch.Tensor:
-    """Target logits ``[B, k+1, V]`` of ``[last [B], tokens [B, k]]`` at ``positions [B]`` onwards; the k+1
-    slots are valid only for the ``active [B]`` rows (finished rows write slots nobody attends to)."""
-    ids = torch.cat([last[:, None], tokens], 1)  # [B, k+1]
-    offsets = torch.arange(ids.shape[1], device=m.device)
-    pos = (positions[:, None] + offsets).clamp(max=m.config.max_position_embeddings - 1)
-    cache.reserve(active[:, None].expand_as(ids), cache.lengths[0], pos)
-    hidden = m.run_layers(m.embed(ids, pos), 0, m.num_layers, pos, cache=cache)
-    return m.exit_logits(hidden)
-
-
 @torch.inference_mode()
 def generate(
     m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft: EarlyExitModel | None = None
@@ -101,43 +77,16 @@ def generate(
     check_draft(m, draft, cfg, prompts)
     check(cfg, m, prompts)
     configure_engine(draft, cfg)
-    # None unless decoder.draft_vocab names a subset for the draft head
-    vocab = draft_vocab_ids(cfg.draft_vocab, draft)
-    capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + cfg.draft_tokens + 1
-    state, draft_state = prefill(m, prompts, capacity), prefill(draft, prompts, capacity)
-    caches, positions = [state.cache, draft_state.cache], state.positions
-    head_rows = None if vocab is None else len(vocab)
-    cost_ratio = draft.step_cost(head_rows=head_rows) / m.step_cost()
-    policy = speculative.new_policy(cfg, cost_ratio=cost_ratio)
     generator = new_generator(cfg, m.device)
-    drafter = speculative.Drafter(
+    proposer = DraftModelProposer(
         draft,
-        draft.num_layers,
-        cache=draft_state.cache,
-        policy=policy,
-        cfg=cfg,
-        generator=generator,
-        vocab=vocab,
+        cfg,
+        generator,
+        costs=cost_model(m, cfg.costs),
+        draft_costs=cost_model(draft, cfg.costs),
+        vocab=draft_vocab_ids(cfg.draft_vocab, draft),  # None unless decoder.draft_vocab names a subset
+        target=m,
     )
-    rows = Rows(len(prompts), cfg)
-    out = DecodeOutput(tokens=rows.tokens)
-    last = choose(state.logits, None, cfg, generator)  # the first new token comes from the target's prefill
-    rows.emit_tokens(last)
-    while rows.active:
-        live = len(rows.active)
-        active = rows.active_mask(m.device)
-        limit = min(policy.draft_limit(), rows.most_remaining() - 1)  # the verifier adds one token itself
-        start = state.cache.lengths[0]  # == draft_state.cache.lengths[0]: both caches share the slot layout
-        drafted = drafter.draft(last, positions, active, limit)
-        k = drafted.tokens.shape[1]
-        logits = _verify(m, state.cache, last, drafted.tokens, positions, active)
-        verdict = speculative.accept(logits, drafted, cfg, generator=generator)
-        last = verdict.next_token
-        kept = speculative.settle(
-            rows, out, policy=policy, draft=drafted, verdict=verdict, caches=caches, start=start
-        )
-        positions = positions + (kept + 1) * active
-        # Layer applications and sequential layer calls of both models (the drafter's are usually cheaper).
-        out.layers_run += (k + 1) * (draft.num_layers + m.num_layers) * live
-        out.layer_calls += (k + 1) * draft.num_layers + m.num_layers
-    return out
+    if cfg.chain:
+        proposer = ChainProposer(PromptLookupProposer(prompts, cfg, proposer.costs, m.vocab_size), proposer)
+    return speculate(m, prompts, cfg, proposer, generator=generator)

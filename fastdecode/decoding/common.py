@@ -21,7 +21,8 @@ import torch
 
 from fastdecode.cache import KVCache
 from fastdecode.config import ConfigError, unknown_name_error
-from fastdecode.decoding.options import JacobiOptions, SkipOptions
+from fastdecode.cost import SOURCES as COST_SOURCES
+from fastdecode.decoding.options import JacobiOptions, LookupOptions, SkipOptions
 from fastdecode.decoding.policies import POLICIES
 from fastdecode.engine import default_options
 from fastdecode.fast_linear import KERNELS
@@ -36,7 +37,11 @@ class DecodeConfig:
     path of a draft vocabulary file (``fastdecode/data/draft_vocab.py``); the drafter's head then scores only
     those tokens (verification keeps the full head: still lossless). ``skip``, ``jacobi``: the options of the
     ``skipdecode`` and ``jacobi`` decoders (``fastdecode/decoding/options.py``). ``adapter``: an exit adapter directory
-    (``fastdecode/exit_adapter.py``); ``self_speculative`` then drafts through it (E from the adapter)."""
+    (``fastdecode/exit_adapter.py``); ``self_speculative`` then drafts through it (E from the adapter).
+    ``lookup``: n-gram drafting (``prompt_lookup``, ``lookahead``); ``chain``: ``self_speculative`` and
+    ``assisted`` rows draft by prompt lookup when their text matches, by their model otherwise.
+    ``costs``: the cost model the policies and n-gram drafts read (``fastdecode/cost.py``): ``measured`` on
+    the loaded model (once per model and engine) or ``estimated`` from the weights."""
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -53,6 +58,9 @@ class DecodeConfig:
     # options only one decoder reads, nested under its name (fastdecode/decoding/options.py)
     skip: SkipOptions = field(default_factory=SkipOptions)
     jacobi: JacobiOptions = field(default_factory=JacobiOptions)
+    lookup: LookupOptions = field(default_factory=LookupOptions)
+    chain: bool = False
+    costs: str = "measured"
 
     # The flat keys of the per-decoder options before they were nested: ``to_dataclass`` names the new key.
     RENAMED: ClassVar[dict[str, str]] = {
@@ -94,6 +102,8 @@ class DecodeConfig:
             raise unknown_name_error(
                 "linear kernel", self.linear_kernel, list(KERNELS), "(decoder.linear_kernel)"
             )
+        if self.costs not in COST_SOURCES:
+            raise unknown_name_error("cost model", self.costs, list(COST_SOURCES), "(decoder.costs)")
         if self.compile and self.static_cache is False:
             raise ConfigError(
                 "decoder.compile=true needs the static cache: set decoder.static_cache=true or null."
@@ -124,6 +134,7 @@ class DecodeOutput:
     ``layer_calls``: decoder-layer forward calls after the prefill, each over the whole batch and any number
     of positions: the latency proxy when decoding is memory-bound (self-speculation lowers this one).
     ``fast_forward`` (jacobi): tokens fixed per forward and row; ``stationary``: per converged block and row.
+    ``by_proposer``: per proposer of a chain, accepted and drafted tokens and the row rounds it drafted in.
     """
 
     tokens: list[list[int]]
@@ -137,6 +148,9 @@ class DecodeOutput:
     layer_calls: int = 0
     fast_forward: list[int] = field(default_factory=list)
     stationary: list[int] = field(default_factory=list)
+    by_proposer: dict[str, list[int]] = field(
+        default_factory=dict
+    )  # name -> [accepted, drafted, drafting rounds]
 
     @property
     def num_tokens(self) -> int:
@@ -155,18 +169,25 @@ class DecodeOutput:
         """Sequential layer calls per new token of the longest row."""
         return self.layer_calls / max(1, max(len(row) for row in self.tokens))
 
-    def record(self, accepted: list[int], drafted: int, oracle: list[int]) -> None:
-        """Book one verification: per-row accepted and oracle counts of a draft of ``drafted`` tokens."""
-        grow = drafted - len(self.position_drafted)
+    def record(
+        self, accepted: list[int], drafted: list[int], oracle: list[int], sources: list[str] | None = None
+    ) -> None:
+        """Book one verification: per decoding row, the accepted drafts, the drafted tokens, the oracle count
+        and (a chain of proposers) which proposer drafted."""
+        longest = max(drafted, default=0)
+        grow = longest - len(self.position_drafted)
         if grow > 0:
             self.position_drafted += [0] * grow
             self.position_accepted += [0] * grow
-        for a in accepted:
+        for row, (a, d) in enumerate(zip(accepted, drafted, strict=True)):
             self.accepted.append(a)
-            self.drafted.append(drafted)
-            for i in range(drafted):
+            self.drafted.append(d)
+            for i in range(d):
                 self.position_drafted[i] += 1
                 self.position_accepted[i] += int(i < a)
+            if sources is not None and sources[row] is not None:
+                tally = self.by_proposer.setdefault(sources[row], [0, 0, 0])
+                tally[0], tally[1], tally[2] = tally[0] + a, tally[1] + d, tally[2] + int(d > 0)
         self.oracle += oracle
 
 

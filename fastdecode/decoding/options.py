@@ -1,4 +1,5 @@
-"""Per-decoder option groups, nested in ``DecodeConfig``: ``decoder.jacobi.*`` and ``decoder.skip.*``.
+"""Per-decoder option groups, nested in ``DecodeConfig``: ``decoder.jacobi.*``, ``decoder.skip.*``,
+``decoder.lookup.*``.
 
 Why nested: the fields every decoder reads (length, sampling, exit layer, draft policy) stay flat in
 ``DecodeConfig``; options that only one decoder reads sit in a group named after it, so ``common.py`` knows
@@ -46,3 +47,21 @@ class SkipOptions:
         low, high = self.min_budget, self.max_budget
         if low is not None and high is not None and low > high:
             raise ConfigError(f"decoder.skip.min_budget={low} > decoder.skip.max_budget={high}: must be <=.")
+
+
+@dataclass
+class LookupOptions:
+    """``decoder.lookup``: n-gram drafting from a row's own text (``prompt_lookup``, ``lookahead``, and the
+    chains of ``self_speculative``/``assisted`` with ``decoder.chain=true``; ``fastdecode/decoding/ngram.py``).
+    ``max_ngram_size``: the longest suffix looked up (transformers' ``max_matching_ngram_size``);
+    ``min_ngram_size``: the shortest. The most tokens proposed is ``decoder.draft_tokens``."""
+
+    max_ngram_size: int = 3
+    min_ngram_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram_size <= self.max_ngram_size:
+            raise ConfigError(
+                f"decoder.lookup: min_ngram_size={self.min_ngram_size}, max_ngram_size={self.max_ngram_size}: "
+                "need 1 <= min_ngram_size <= max_ngram_size."
+            )

@@ -16,6 +16,7 @@ Batches: a dynamic policy keeps drafting while any active row wants to; per-row 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -24,12 +25,17 @@ import torch
 class DraftPolicy:
     """Base of the draft-length policies: draft ``max_tokens`` = K per round, no per-token decision, nothing
     learnt from a round. Subclasses override the hooks they need; every policy takes the same arguments
-    (``threshold``: ``confidence``'s stop probability; ``cost_ratio``: draft pass / full pass, for
-    ``adaptive``), so a decoder builds any of them from ``POLICIES`` alike."""
+    (``threshold``: ``confidence``'s stop probability; ``marginal[j]``: what the (j+1)-th drafted token adds
+    to a round's cost in plain decoding steps, from ``fastdecode/cost.py``, for ``adaptive``), so a decoder
+    builds any of them from ``POLICIES`` alike. ``cost_aware``: proposers that know a whole draft at once
+    (n-gram lookups) cut it where the cost model expects the most tokens per cost."""
 
     dynamic: ClassVar[bool] = False  # True: decides per drafted token in ``keep_drafting``
+    cost_aware: ClassVar[bool] = False
 
-    def __init__(self, max_tokens: int, *, threshold: float = 0.4, cost_ratio: float = 0.5) -> None:
+    def __init__(
+        self, max_tokens: int, *, threshold: float = 0.4, marginal: Sequence[float] | None = None
+    ) -> None:
         self.k = max_tokens
 
     def draft_limit(self) -> int:
@@ -44,8 +50,8 @@ class DraftPolicy:
         decoding -> 0-d device bool (draft another token?), or None: no per-token decision."""
         return None
 
-    def update(self, accepted: list[int | None], drafted: int) -> None:
-        """After verification: accepted drafts per row (None for rows that no longer decode)."""
+    def update(self, accepted: list[int | None], drafted: list[int | None]) -> None:
+        """After verification: accepted and drafted tokens per row (None for rows that no longer decode)."""
 
 
 class Constant(DraftPolicy):
@@ -59,8 +65,8 @@ class Heuristic(DraftPolicy):
     In a batch a draft counts as fully accepted when every active row accepted all of it.
     """
 
-    def update(self, accepted: list[int | None], drafted: int) -> None:
-        if all(a == drafted for a in accepted if a is not None):
+    def update(self, accepted: list[int | None], drafted: list[int | None]) -> None:
+        if all(a == d for a, d in zip(accepted, drafted, strict=True) if a is not None):
             self.k += 2
         else:
             self.k = max(1, self.k - 1)
@@ -72,7 +78,9 @@ class Confidence(DraftPolicy):
 
     dynamic: ClassVar[bool] = True
 
-    def __init__(self, max_tokens: int, *, threshold: float = 0.4, cost_ratio: float = 0.5) -> None:
+    def __init__(
+        self, max_tokens: int, *, threshold: float = 0.4, marginal: Sequence[float] | None = None
+    ) -> None:
         super().__init__(max_tokens)
         self.threshold = threshold
 
@@ -81,20 +89,25 @@ class Confidence(DraftPolicy):
 
 
 class Adaptive(DraftPolicy):
-    """Cost-aware stop: draft another token while the estimated probability that the whole draft so far is
-    accepted exceeds the cost ratio ``c`` = draft pass / full pass (= E / L for self-speculation); at most K.
+    """Cost-aware stop: after the j-th drafted token, draft another while the estimated probability that the
+    whole draft so far is accepted exceeds what one more token adds to the round's cost, ``marginal[j]`` (the
+    drafted token plus the growth of the verification, ``fastdecode/cost.py``); at most K.
 
-    Why: token j+1 can only count if tokens 1..j are all accepted, and drafting it costs ``c`` of a full pass.
-    The estimate is the product of the drafter's confidences, each scaled by a running calibration factor
-    ``r`` = accepted drafts / summed confidence of the labelled drafts (accepted ones and the first rejected
-    one per round), with one pseudo-count each so that ``r`` starts at 1. ``r`` stays on the device.
+    Why: token j+1 can only count if tokens 1..j are all accepted. The estimate is the product of the
+    drafter's confidences, each scaled by a running calibration factor ``r`` = accepted drafts / summed
+    confidence of the labelled drafts (accepted ones and the first rejected one per round), with one
+    pseudo-count each so that ``r`` starts at 1. ``r`` stays on the device. Proposers that know their whole
+    draft at once (``cost_aware``) cut it with ``fastdecode.cost.best_draft_length`` instead.
     """
 
     dynamic: ClassVar[bool] = True
+    cost_aware: ClassVar[bool] = True
 
-    def __init__(self, max_tokens: int, *, threshold: float = 0.4, cost_ratio: float = 0.5) -> None:
+    def __init__(
+        self, max_tokens: int, *, threshold: float = 0.4, marginal: Sequence[float] | None = None
+    ) -> None:
         super().__init__(max_tokens)
-        self.cost_ratio = cost_ratio
+        self.marginal = list(marginal) if marginal is not None else [0.5] * max_tokens
         self.accepted_total = 1.0
         self.confidence_total: torch.Tensor | None = None  # device scalar, set on first use
         self.product: torch.Tensor | None = None  # [B] estimate for the current draft
@@ -111,9 +124,11 @@ class Adaptive(DraftPolicy):
         calibration = self.accepted_total / self.confidence_total
         step = (confidence * calibration).clamp(max=1.0)
         self.product = step if self.product is None else self.product * step
-        return ((self.product > self.cost_ratio) & active).any()
+        drafted = len(self.confidences)
+        cost = self.marginal[min(drafted, len(self.marginal) - 1)]
+        return ((self.product > cost) & active).any()
 
-    def update(self, accepted: list[int | None], drafted: int) -> None:
+    def update(self, accepted: list[int | None], drafted: list[int | None]) -> None:
         if not self.confidences:
             return
         confidences = torch.stack(self.confidences, 1)  # [B, k]
@@ -121,7 +136,8 @@ class Adaptive(DraftPolicy):
         self.accepted_total += sum(a for a in accepted if a is not None)
         # Labelled drafts per row: the accepted ones and the first rejected one (rows not decoding: none).
         counts = torch.tensor(
-            [0 if a is None else min(a + 1, k) for a in accepted], device=confidences.device
+            [0 if a is None else min(a + 1, d, k) for a, d in zip(accepted, drafted, strict=True)],
+            device=confidences.device,
         )
         labelled = torch.arange(k, device=confidences.device)[None, :] < counts[:, None]
         self.confidence_total = self.confidence_total + (confidences * labelled).sum()

@@ -14,12 +14,13 @@ full model writes, so it is kept (rejected drafts pass every layer once too: ver
 Rollback is a length pointer: crop every layer to the longest accepted length in the batch; rows that
 accepted fewer leave holes (``key_valid`` False) that attention masks exactly, so greedy output is
 bit-identical to ``autoregressive`` in fp32. Sliding windows count positions across holes (``KVCache.key_pos``).
-The draft loop, the acceptance rule and rollback are shared with ``assisted`` (``speculative.py``).
 
-With an exit adapter (``decoder.adapter``, ``fastdecode/exit_adapter.py``; Kangaroo) the drafter's head reads
-the adapter's output; E comes from the adapter, the adapter's attention has one more cache layer (filled at
-prefill, rolled back with the rest), and verification still runs on the raw exit hidden states: lossless.
-The adaptive policy's cost ratio then counts the heads (draft vocabulary included) and the adapter.
+This is the speculative loop (``speculative.py``) over an ``ExitProposer`` (``proposers.py``). With an exit
+adapter (``decoder.adapter``, ``fastdecode/exit_adapter.py``; Kangaroo) the drafter's head reads the adapter's
+output over the adapter's own draft vocabulary; E comes from the adapter, the adapter's attention has one more
+cache layer (filled at prefill, rolled back with the rest), and verification still runs on the raw exit
+hidden states: lossless. With ``decoder.chain=true`` rows draft by prompt lookup where their text matches
+(``ngram.py``) and through the exit elsewhere.
 """
 
 from __future__ import annotations
@@ -27,20 +28,32 @@ from __future__ import annotations
 import torch
 
 from fastdecode.config import ConfigError
-from fastdecode.decoding import speculative
-from fastdecode.decoding.common import (
-    DecodeConfig,
-    DecodeOutput,
-    Rows,
-    check,
-    choose,
-    new_generator,
-    prefill,
-    refuse_draft_model,
-)
-from fastdecode.decoding.draft_vocab import draft_vocab_ids
+from fastdecode.cost import cost_model
+from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, new_generator, refuse_draft_model
+from fastdecode.decoding.ngram import ChainProposer, PromptLookupProposer
+from fastdecode.decoding.proposers import ExitProposer, Proposer
+from fastdecode.decoding.speculative import speculate
 from fastdecode.exit_adapter import adapter_for_decoding
 from fastdecode.model import EarlyExitModel
+
+
+def exit_proposer(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, generator) -> Proposer:
+    """The proposer ``cfg`` describes: the raw exit E or the exit adapter (with its own draft vocabulary),
+    chained after prompt lookup with ``cfg.chain``."""
+    # The adapter (None unless decoder.adapter is set) and the draft head's vocabulary: the adapter's own, or
+    # decoder.draft_vocab for a raw exit (None: the full head)
+    adapter, vocab = adapter_for_decoding(cfg, m)
+    if cfg.exit_layer is None and adapter is None:
+        raise ConfigError(
+            f"decoder 'self_speculative' needs decoder.exit_layer (the drafter's depth), "
+            f"1 <= exit_layer <= {m.num_layers - 1}, or decoder.adapter (an exit adapter, which has its own)."
+        )
+    exit_layer = adapter.exit_layer if adapter is not None else cfg.exit_layer
+    costs = cost_model(m, cfg.costs)
+    proposer = ExitProposer(m, exit_layer, cfg, generator, costs=costs, adapter=adapter, vocab=vocab)
+    if cfg.chain:
+        return ChainProposer(PromptLookupProposer(prompts, cfg, costs, m.vocab_size), proposer)
+    return proposer
 
 
 @torch.inference_mode()
@@ -50,50 +63,5 @@ def generate(
     """Self-speculative decoding of ``prompts`` with the drafter = layers ``< cfg.exit_layer``; lossless."""
     check(cfg, m, prompts)
     refuse_draft_model("self_speculative", draft)
-    # The adapter (None unless decoder.adapter is set) and the draft head's vocabulary subset (None: full head)
-    adapter, vocab = adapter_for_decoding(cfg, m)
-    if cfg.exit_layer is None and adapter is None:
-        raise ConfigError(
-            f"decoder 'self_speculative' needs decoder.exit_layer (the drafter's depth), "
-            f"1 <= exit_layer <= {m.num_layers - 1}, or decoder.adapter (an exit adapter, which has its own)."
-        )
-    exit_layer, num_layers = adapter.exit_layer if adapter is not None else cfg.exit_layer, m.num_layers
-    vocab = draft_vocab_ids(cfg.draft_vocab, m)  # None unless decoder.draft_vocab names a draft head subset
-    width = max(len(p) for p in prompts)
-    state = prefill(m, prompts, width + cfg.max_new_tokens + cfg.draft_tokens + 1, adapter=adapter)
-    cache, positions = state.cache, state.positions
-    cost_ratio = exit_layer / num_layers
-    if adapter is not None:  # weights read per drafted token / per full step, heads and adapter counted
-        head_rows = None if vocab is None else len(vocab)
-        adapter_weights = adapter.num_parameters()
-        cost_ratio = (m.step_cost(exit_layer, head_rows) + adapter_weights) / m.step_cost()
-    policy = speculative.new_policy(cfg, cost_ratio=cost_ratio)
     generator = new_generator(cfg, m.device)
-    drafter = speculative.Drafter(
-        m, exit_layer, cache=cache, policy=policy, cfg=cfg, generator=generator, vocab=vocab, adapter=adapter
-    )
-    rows = Rows(len(prompts), cfg)
-    out = DecodeOutput(tokens=rows.tokens)
-    last = choose(state.logits, None, cfg, generator)  # the first new token comes from the full prefill
-    rows.emit_tokens(last)
-    while rows.active:
-        live = rows.active
-        active = rows.active_mask(m.device)
-        limit = min(policy.draft_limit(), rows.most_remaining() - 1)  # the verifier adds one token itself
-        start = cache.lengths[0]
-        drafted = drafter.draft(last, positions, active, limit)
-        k = drafted.tokens.shape[1]
-        pos = (positions[:, None] + torch.arange(k + 1, device=m.device)).clamp(
-            max=m.config.max_position_embeddings - 1
-        )
-        hidden = m.run_layers(drafted.hidden, exit_layer, num_layers, pos, cache=cache)
-        verdict = speculative.accept(m.exit_logits(hidden), drafted, cfg, generator=generator)
-        last = verdict.next_token
-        kept = speculative.settle(
-            rows, out, policy=policy, draft=drafted, verdict=verdict, caches=[cache], start=start
-        )
-        positions = positions + (kept + 1) * active
-        adapted = 0 if adapter is None else k  # adapter passes (the backlog rides along with them)
-        out.layers_run += ((k + 1) * num_layers + adapted) * len(live)
-        out.layer_calls += (k + 1) * exit_layer + num_layers - exit_layer + adapted
-    return out
+    return speculate(m, prompts, cfg, exit_proposer(m, prompts, cfg, generator), generator=generator)

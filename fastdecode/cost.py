@@ -1,0 +1,240 @@
+"""The cost model of drafting and verifying: the one place that says what a drafted token and a verification cost.
+
+Unit: one plain decoding step of the model, a forward over one new token through every layer and the full LM
+head (= 1.0). Two tables, indexed by the number T of new tokens a forward carries (batch 1):
+
+- ``layer[T]``: one decoder block over T new tokens. "A block" is the average block of the model: the
+  layers' total divided by their number (measured: one timed pass through every layer; estimated: the mean
+  parameter count of the blocks).
+- ``head[T]``: the final norm and the full LM head over T rows.
+
+Everything else is derived, so every caller counts alike: a drafted token through the first E blocks and a head
+of S rows costs ``E * layer[1] + head[1] * S / V`` (plus an exit adapter's blocks); verifying a draft of k
+tokens from depth E costs ``E * layer[1] + (L - E) * layer[k + 1] + head[k + 1]`` (the last draft token's pass
+through the drafter's layers, then the rest over all k + 1 positions; E = 0 for a drafter that wrote nothing
+into the target's cache). A round of k drafts costs ``k * draft + verify``; with ``k = 0`` that is one plain
+step.
+
+Two sources:
+
+- ``measured`` (``measure_costs``): timed on the loaded model on the path decoding takes (the engine with its
+  calibrated kernels, the cache), medians of interleaved rounds, once per model, engine and thread count. On a
+  CPU a forward over T new tokens is far from free (the kernels' cost steps up with T), and the choices must
+  see that.
+- ``estimated`` (``estimate_costs``): the weights each part reads, the memory-bound model of a GPU at batch 1
+  (a forward costs the same for every small T). The fallback when nothing can be timed.
+
+Callers: the draft-length policies (``fastdecode/decoding/policies.py``), the proposers' costs
+(``decoding/proposers.py``), the choice of what pays (``fastdecode/choose.py``: exits, adapters, n-gram drafting),
+and through it the recipes' speed lines, ``eval/exits.py`` and the speed benchmark.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from fastdecode.config import unknown_name_error
+from fastdecode.engine import default_options
+from fastdecode.model import EarlyExitModel
+
+SOURCES = ("measured", "estimated")
+PROBE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # T values timed; others are interpolated / extrapolated
+PROBE_CONTEXT = 128  # cached tokens the timed forwards attend to
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Costs in plain decoding steps of one model (see the module docstring); ``tokens`` are the probed T."""
+
+    num_layers: int
+    vocab_size: int
+    tokens: tuple[int, ...]
+    layer: tuple[float, ...]  # layer[i]: one block over tokens[i] new tokens
+    head: tuple[float, ...]  # head[i]: the full head over tokens[i] rows
+    source: str
+    step_seconds: float | None = None  # the unit in seconds (measured only)
+
+    def _at(self, table: tuple[float, ...], tokens: int) -> float:
+        """``table`` at T = ``tokens``: linear between probed T, extrapolated from the last two beyond."""
+        xs = self.tokens
+        if tokens <= xs[0]:
+            return table[0]
+        for i in range(1, len(xs)):
+            if tokens <= xs[i]:
+                lo, hi = xs[i - 1], xs[i]
+                return table[i - 1] + (table[i] - table[i - 1]) * (tokens - lo) / (hi - lo)
+        if len(xs) == 1:
+            return table[0]
+        slope = (table[-1] - table[-2]) / (xs[-1] - xs[-2])
+        return table[-1] + slope * (tokens - xs[-1])
+
+    def layers(self, count: float, tokens: int = 1) -> float:
+        """``count`` blocks over ``tokens`` new tokens."""
+        return count * self._at(self.layer, tokens)
+
+    def head_cost(self, tokens: int = 1, rows: int | None = None) -> float:
+        """The head over ``tokens`` positions, scoring ``rows`` vocabulary rows (all by default)."""
+        rows = self.vocab_size if rows is None else rows
+        return self._at(self.head, tokens) * rows / self.vocab_size
+
+    def draft_token(self, depth: int, *, head_rows: int | None = None, extra_blocks: float = 0.0) -> float:
+        """One token drafted through blocks ``[0, depth)`` (+ ``extra_blocks``: an exit adapter) and a head of
+        ``head_rows`` rows (a draft vocabulary; all by default)."""
+        return self.layers(depth + extra_blocks) + self.head_cost(1, head_rows)
+
+    def verify(self, tokens: int, depth: int = 0) -> float:
+        """A verification of ``tokens`` positions (the last token plus the drafts) whose first ``depth`` blocks
+        run one token at a time (self-speculation: the last draft's pass) and the rest over all of them."""
+        return self.layers(depth) + self.layers(self.num_layers - depth, tokens) + self.head_cost(tokens)
+
+    def round_cost(self, drafted: int, draft_token: float, depth: int = 0) -> float:
+        """A round of ``drafted`` tokens at ``draft_token`` each, then their verification from ``depth``."""
+        return drafted * draft_token + self.verify(drafted + 1, depth)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Expected tokens of a draft
+def expected_tokens(acceptance: Sequence[float]) -> float:
+    """Tokens a round yields when draft position i is accepted with probability ``acceptance[i]`` given the
+    earlier ones were: ``1 + a1 + a1*a2 + ...`` (the verifier's own token included)."""
+    total, chain = 1.0, 1.0
+    for a in acceptance:
+        chain *= a
+        total += chain
+    return total
+
+
+def best_draft_length(
+    costs: CostModel, acceptance: Sequence[float], draft_token: float, depth: int = 0
+) -> tuple[int, float]:
+    """``(k, expected speedup over plain decoding)`` maximising tokens per cost over ``k = 0 ..
+    len(acceptance)`` (k = 0, a plain step, is 1.0)."""
+    best = (0, 1.0 / costs.round_cost(0, draft_token, depth))
+    for k in range(1, len(acceptance) + 1):
+        speedup = expected_tokens(acceptance[:k]) / costs.round_cost(k, draft_token, depth)
+        if speedup > best[1]:
+            best = (k, speedup)
+    return best
+
+
+def exit_draft_cost(
+    costs: CostModel,
+    m: EarlyExitModel,
+    exit_layer: int,
+    *,
+    adapter_parameters: int = 0,
+    head_rows: int | None = None,
+) -> float:
+    """One token drafted at exit ``exit_layer``: its blocks, an exit adapter's own weights counted in blocks
+    (``adapter_parameters``; 0 for the raw exit), a head of ``head_rows`` rows (a draft vocabulary)."""
+    extra = adapter_parameters / block_parameters(m)
+    return costs.draft_token(exit_layer, head_rows=head_rows, extra_blocks=extra)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Building a cost model
+def block_parameters(m: EarlyExitModel) -> float:
+    """The parameters of "a block": the decoder layers' total over their number."""
+    return sum(p.numel() for layer in m.layers for p in layer.parameters()) / m.num_layers
+
+
+def estimate_costs(m: EarlyExitModel) -> CostModel:
+    """Weights read per part (the memory-bound model): a block = ``block_parameters``, the head = its rows x
+    width; the same for every T."""
+    block = block_parameters(m)
+    head = m.step_cost(depth=0)
+    step = block * m.num_layers + head
+    return CostModel(m.num_layers, m.vocab_size, (1,), (block / step,), (head / step,), "estimated")
+
+
+def _timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def measure_costs(
+    m: EarlyExitModel,
+    tokens: Sequence[int] = PROBE_TOKENS,
+    *,
+    context: int = PROBE_CONTEXT,
+    repeats: int = 5,
+) -> CostModel:
+    """Time the model's layers and head at every T of ``tokens`` on the engine it has selected (interleaved
+    rounds after one untimed round; medians), at batch 1 with ``context`` cached tokens of random ids."""
+    device, tokens = m.device, tuple(sorted(set(tokens)))
+    context = min(context, m.config.max_position_embeddings - max(tokens))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(m.vocab_size, (1, context + max(tokens)), generator=generator).to(device)
+    pos = torch.arange(ids.shape[1], device=device)[None]
+    cache = m.new_cache(1, ids.shape[1] + 1)
+    cache.reserve(torch.ones(1, context, dtype=torch.bool, device=device), 0, pos[:, :context])
+    m.run_layers(m.embed(ids[:, :context], pos[:, :context]), 0, m.num_layers, pos[:, :context], cache=cache)
+    span = slice(context, context + max(tokens))
+    hidden_in = m.embed(ids[:, span], pos[:, span])
+    layer_times: dict[int, list[float]] = {t: [] for t in tokens}
+    head_times: dict[int, list[float]] = {t: [] for t in tokens}
+
+    def layers(t: int) -> None:
+        cache.crop(context)
+        cache.reserve(
+            torch.ones(1, t, dtype=torch.bool, device=device), context, pos[:, context : context + t]
+        )
+        m.run_layers(hidden_in[:, :t], 0, m.num_layers, pos[:, context : context + t], cache=cache)
+
+    for round_ in range(repeats + 1):
+        for t in tokens:
+            seconds = _timed(lambda t=t: layers(t), device)
+            head = _timed(lambda t=t: m.exit_logits(hidden_in[:, :t]), device)
+            if round_:  # the first round warms every shape up
+                layer_times[t].append(seconds)
+                head_times[t].append(head)
+    layer_med = [statistics.median(layer_times[t]) / m.num_layers for t in tokens]
+    head_med = [statistics.median(head_times[t]) for t in tokens]
+    step = layer_med[0] * m.num_layers + head_med[0]
+    return CostModel(
+        m.num_layers,
+        m.vocab_size,
+        tokens,
+        tuple(x / step for x in layer_med),
+        tuple(x / step for x in head_med),
+        "measured",
+        step,
+    )
+
+
+def decoding_costs(m: EarlyExitModel, source: str = "measured") -> CostModel:
+    """The cost model of decoding with ``m`` outside a decoder (reports, recipes): selects the device's
+    default execution engine on ``m`` first (what the decoders run by default), then ``cost_model``."""
+    m.use_engine(default_options(m.device))
+    return cost_model(m, source)
+
+
+def cost_model(m: EarlyExitModel, source: str = "measured") -> CostModel:
+    """The cost model of ``m`` on the engine it has selected: ``measured`` once per engine and thread count
+    (kept on the model, ``EarlyExitModel.measurements``), or ``estimated``."""
+    if source not in SOURCES:
+        raise unknown_name_error("cost model source", source, list(SOURCES), "(decoder.costs)")
+    if source == "estimated":
+        return estimate_costs(m)
+    engine = m.engine
+    key = ("costs", None if engine is None else engine.options, torch.get_num_threads(), str(m.device))
+    found = m.measurements.get(key)
+    if found is None:
+        # compiled layer ranges build one graph per T: probe only the lengths drafts use most
+        probes = [t for t in PROBE_TOKENS if t <= 8] if engine and engine.options.compile else PROBE_TOKENS
+        found = m.measurements[key] = measure_costs(m, probes)
+    return found

@@ -1,0 +1,174 @@
+"""N-gram proposers: drafts looked up in the text a row already holds, free to make.
+
+- ``PromptLookupProposer`` (prompt lookup decoding, transformers' ``prompt_lookup_num_tokens``): for n from
+  ``decoder.lookup.max_ngram_size`` down to ``min_ngram_size``, the continuation of the most recent earlier
+  occurrence of the row's last n tokens in its prompt and the text generated so far, cut after an EOS token.
+  A row with no match drafts nothing that round and pays nothing: its round is a plain decoding step.
+- ``ChainProposer``: a row drafts from the lookup when it matches and from a model proposer (the exit, the exit
+  adapter, a draft model) otherwise. When every decoding row matches, the lookup's draft passes the model
+  proposer's layers in one forward (``absorb``); otherwise the matching rows force their tokens into the model
+  proposer's token-by-token draft.
+
+How long a lookup draft is: the policy's limit (``decoder.draft_tokens``), and with a cost-aware policy
+(``adaptive``) the length the cost model expects to pay best (``fastdecode.cost.best_draft_length``), from the
+acceptance this proposer has seen so far per match length and draft position (a Beta(1, 1) prior: 0.5 until
+seen). On this kind of CPU a verification over 4+ tokens costs far more than one over 2-3 (docs/BENCHMARKS.md):
+the cost-aware length sees that.
+
+Drafts are deterministic, so their q is a one-hot: sampling stays lossless (``speculative.accept``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastdecode.cost import CostModel, best_draft_length
+from fastdecode.decoding.common import DecodeConfig
+from fastdecode.decoding.proposers import ModelProposer, Proposer, one_hot
+from fastdecode.decoding.speculative import Draft, Round, Verdict
+
+
+class NgramIndex:
+    """One row's tokens with, per n, the start of the most recent occurrence of every n-gram that has a
+    continuation (so a lookup never finds the row's own last n tokens)."""
+
+    def __init__(self, max_n: int) -> None:
+        self.tokens: list[int] = []
+        self.max_n = max_n
+        self.starts: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+
+    def extend(self, new: list[int]) -> None:
+        tokens = self.tokens
+        for token in new:
+            end = len(tokens)  # the n-grams ending at end - 1 now have a continuation: ``token``
+            for n in range(1, min(self.max_n, end) + 1):
+                self.starts[n][tuple(tokens[end - n : end])] = end - n
+            tokens.append(token)
+
+    def lookup(self, min_n: int, limit: int) -> tuple[list[int], int]:
+        """``(continuation of at most limit tokens, n)`` of the longest matching suffix; ``([], 0)`` if none."""
+        tokens = self.tokens
+        for n in range(min(self.max_n, len(tokens) - 1), min_n - 1, -1):
+            start = self.starts[n].get(tuple(tokens[len(tokens) - n :]))
+            if start is not None:
+                return tokens[start + n : start + n + limit], n
+        return [], 0
+
+
+class AcceptanceStats:
+    """Conditional acceptance per (match length n, draft position i): Beta(1, 1) counts."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[int, int], list[int]] = {}
+
+    def estimate(self, n: int, length: int) -> list[float]:
+        return [(a + 1) / (t + 2) for a, t in (self.counts.get((n, i), [0, 0]) for i in range(length))]
+
+    def add(self, n: int, accepted: int, drafted: int) -> None:
+        for i in range(min(accepted + 1, drafted)):  # the accepted ones and the first rejected one
+            tally = self.counts.setdefault((n, i), [0, 0])
+            tally[0] += int(i < accepted)
+            tally[1] += 1
+
+
+class PromptLookupProposer(Proposer):
+    """Prompt lookup over each row's prompt and output (``decoder.lookup``); see the module docstring."""
+
+    name = "prompt_lookup"
+
+    def __init__(
+        self, prompts: list[list[int]], cfg: DecodeConfig, costs: CostModel, vocab_size: int
+    ) -> None:
+        self.cfg, self.costs, self.vocab_size = cfg, costs, vocab_size
+        self.options = cfg.lookup
+        self.prompts = prompts
+        self.indexes = [NgramIndex(self.options.max_ngram_size) for _ in prompts]
+        self.stats = AcceptanceStats()
+        self.lengths: list[int] = [0] * len(prompts)  # each row's last lookup draft (0: none)
+        self.matched: list[int] = [0] * len(prompts)  # and the length n of its match
+
+    def _sync(self, row: int, generated: list[int]) -> NgramIndex:
+        index = self.indexes[row]
+        context = len(self.prompts[row]) + len(generated)
+        if len(index.tokens) < context:
+            full = self.prompts[row] + generated
+            index.extend(full[len(index.tokens) :])
+        return index
+
+    def _row(self, r: Round, row: int) -> tuple[list[int], int]:
+        if r.rows.finished[row] or r.limit <= 0:
+            return [], 0
+        found, n = self._sync(row, r.rows.tokens[row]).lookup(self.options.min_ngram_size, r.limit)
+        found = found[: next((i + 1 for i, t in enumerate(found) if t in self.cfg.eos_ids), len(found))]
+        if found and self.policy.cost_aware:
+            k, _ = best_draft_length(self.costs, self.stats.estimate(n, len(found)), 0.0, 0)
+            found = found[:k]
+        return found, n if found else 0
+
+    def lookup(self, r: Round) -> list[list[int]]:
+        """Per row the tokens to draft: cut after an EOS, at the limit and, with a cost-aware policy, where
+        the cost model expects the most tokens per cost. Rows that no longer decode draft nothing."""
+        found = [self._row(r, row) for row in range(len(r.rows.tokens))]
+        self.lengths = [len(tokens) for tokens, _ in found]
+        self.matched = [n for _, n in found]
+        return [tokens for tokens, _ in found]
+
+    def pad(self, drafts: list[list[int]], device: torch.device) -> torch.Tensor:
+        """``[B, k]`` drafted ids (k = the longest draft; shorter rows padded with their last token)."""
+        k = max((len(d) for d in drafts), default=0)
+        rows = [d + [d[-1] if d else 0] * (k - len(d)) for d in drafts]
+        return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(drafts), k)
+
+    def propose(self, r: Round) -> Draft:
+        drafts = self.lookup(r)
+        tokens = self.pad(drafts, r.last.device)
+        probs = None if self.cfg.greedy else one_hot(tokens, self.vocab_size)
+        return Draft(tokens, probs, [len(d) for d in drafts], sources=[self.name] * len(drafts))
+
+    def learn(self, done) -> None:
+        """Book the acceptance of this proposer's drafts of the round (``speculative.Settled``)."""
+        for row, (n, drafted) in enumerate(zip(self.matched, self.lengths, strict=True)):
+            if n and done.accepted[row] is not None:  # a chain's row drafts its own tokens after the lookup's
+                self.stats.add(n, min(done.accepted[row], drafted), drafted)
+
+    def update(self, r: Round, draft: Draft, verdict: Verdict, done) -> None:
+        self.learn(done)
+
+
+class ChainProposer(Proposer):
+    """Prompt lookup first, per row; ``fallback`` (a model proposer) where the lookup finds nothing."""
+
+    def __init__(self, lookup: PromptLookupProposer, fallback: ModelProposer) -> None:
+        self.lookup, self.fallback = lookup, fallback
+        self.name = f"prompt_lookup+{fallback.name}"
+        self.costs, self.depth, self.vocab = fallback.costs, fallback.depth, fallback.vocab
+
+    def start(self, m, prompts, capacity):
+        return self.fallback.start(m, prompts, capacity)
+
+    def token_cost(self) -> float:
+        return self.fallback.token_cost()
+
+    def round_cost(self, drafted: int) -> float:
+        return self.fallback.round_cost(drafted)
+
+    def caches(self):
+        return self.fallback.caches()
+
+    def propose(self, r: Round) -> Draft:
+        self.lookup.policy = self.fallback.policy = self.policy
+        drafts = self.lookup.lookup(r)
+        lengths = [len(d) for d in drafts]
+        live = r.active.tolist()
+        matched = [bool(n) for n, on in zip(lengths, live, strict=True) if on]
+        if matched and all(matched):  # every decoding row matched: one forward through the drafter's layers
+            return self.fallback.absorb(r, self.lookup.pad(drafts, r.last.device), lengths, self.lookup.name)
+        if not any(matched):
+            draft = self.fallback.draft(r)
+            draft.sources = [self.fallback.name] * len(lengths)
+            return draft
+        return self.fallback.draft(r, forced=(self.lookup.pad(drafts, r.last.device), lengths))
+
+    def update(self, r: Round, draft: Draft, verdict: Verdict, done) -> None:
+        self.lookup.learn(done)
+        self.fallback.update(r, draft, verdict, done)

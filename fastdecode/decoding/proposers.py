@@ -1,0 +1,323 @@
+"""Proposers: the drafters of the speculative loop (``speculative.speculate``), one object per kind of draft.
+
+A proposer owns what its drafts depend on and what they cost: its prefill and caches, its draft vocabulary
+(``vocab``: the head rows it scores, None for the full head or no head), its cost per drafted token and per
+round in plain decoding steps (``fastdecode/cost.py``), its state between rounds (``update``). The loop knows
+none of that. Model-based proposers here:
+
+- ``ExitProposer``: self-speculation (LayerSkip): the target's own layers ``< E`` and the shared head, writing
+  into the target's cache, handing the exit hidden states over for verification (each token passes each
+  layer once); with an exit adapter (Kangaroo, ``fastdecode/exit_adapter.py``) the head reads the adapter's
+  output over the adapter's own draft vocabulary.
+- ``DraftModelProposer``: a separate, smaller draft model with the target's tokenizer, with its own cache in
+  the target's slot layout (HF's ``assistant_model``).
+
+N-gram proposers (prompt lookup, and a chain that asks the lookup first) are in ``ngram.py``; lookahead's
+Jacobi pool in ``lookahead.py``.
+
+Both model proposers draft token by token (``draft``): ``t, d1, .., d_{k-1}`` through the drafter -> d1..dk,
+then d_k through it too (self-speculation verifies on its hidden state; a draft model's cache must hold every
+accepted token), which also lets dynamic policies read their stop flag one token late (``LaggedFlag``). A
+chain may force a row's tokens (an n-gram match): the row then drafts those instead of the drafter's own,
+with q a one-hot (lossless). ``absorb`` passes a whole draft made elsewhere through the drafter in one
+forward, so its cache (and an adapter's backlog) stays complete.
+
+Exit adapters: every token the adapter sees once. The last token of a draft is never proposed from, so it is
+kept in a backlog and passes the adapter together with the next round's first token, if rollback kept its
+slot (the adapter's keys/values depend only on each token's own exit hidden state and position, so that late
+write is exactly what an immediate one would have been).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from fastdecode.cache import KVCache
+from fastdecode.cost import CostModel, exit_draft_cost
+from fastdecode.decoding.common import DecodeConfig, Prefill, choose, prefill, probabilities
+from fastdecode.decoding.policies import DraftPolicy, LaggedFlag
+from fastdecode.decoding.speculative import Draft, Round, Verdict
+from fastdecode.model import EarlyExitModel
+
+MARGINAL_SPAN = 16  # marginal costs computed for drafts up to this long (longer ones reuse the last)
+
+
+class Proposer:
+    """Base of the proposers. ``name`` labels its drafts; ``depth``: target blocks its drafts leave run (the
+    verifier runs the rest); ``costs``: the target's cost model; ``policy``: set by the loop."""
+
+    name: ClassVar[str] = "proposer"
+    vocab: torch.Tensor | None = None
+    depth: int = 0
+    costs: CostModel
+    policy: DraftPolicy
+
+    def start(self, m: EarlyExitModel, prompts: list[list[int]], capacity: int) -> Prefill:
+        """Prefill the prompts (the target's cache, and the proposer's own)."""
+        return prefill(m, prompts, capacity)
+
+    def token_cost(self) -> float:
+        """One drafted token, in plain decoding steps of the target."""
+        return 0.0
+
+    def round_cost(self, drafted: int) -> float:
+        """A round of ``drafted`` tokens and their verification, in plain decoding steps."""
+        return self.costs.round_cost(drafted, self.token_cost(), self.depth)
+
+    def marginal_costs(self, max_tokens: int) -> list[float]:
+        """``[j]``: what the (j+1)-th drafted token adds to a round (what ``adaptive`` weighs)."""
+        span = max(max_tokens, MARGINAL_SPAN)
+        return [self.round_cost(j + 1) - self.round_cost(j) for j in range(span)]
+
+    def caches(self) -> list[KVCache]:
+        """Caches besides the target's that roll back with it."""
+        return []
+
+    def propose(self, r: Round) -> Draft:
+        raise NotImplementedError
+
+    def update(self, r: Round, draft: Draft, verdict: Verdict, done: Any) -> None:
+        """After a round settled (``speculative.Settled``)."""
+
+
+def one_hot(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[...]`` ids -> ``[..., V]`` fp32: the q of a deterministic draft."""
+    return F.one_hot(tokens, vocab_size).float()
+
+
+def propose_token(
+    d: EarlyExitModel,
+    hidden: torch.Tensor,
+    cfg: DecodeConfig,
+    *,
+    generator: torch.Generator,
+    vocab: torch.Tensor | None,
+    want_probs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One draft token from the drafter's residual stream ``hidden [B, H]``.
+
+    Returns (token [B] full-vocab id, q [B, V] the distribution it was drawn from (sampling only; zero
+    outside ``vocab [S]`` when a subset is used), confidence [B] = its processed probability, or None when
+    neither sampling nor ``want_probs`` needs it).
+    """
+    logits = d.exit_logits(hidden) if vocab is None else d.exit_logits_subset(hidden, vocab)  # [B, V|S]
+    q = probabilities(logits, cfg) if want_probs or not cfg.greedy else None
+    index = choose(logits, q, cfg, generator)  # [B], into the subset when there is one
+    confidence = None if q is None else q.gather(-1, index[:, None])[:, 0]
+    if vocab is None:
+        return index, q, confidence
+    if not cfg.greedy:
+        q = q.new_zeros(q.shape[0], d.vocab_size).scatter_(-1, vocab.expand(q.shape[0], -1), q)
+    return vocab[index], q, confidence
+
+
+class ModelProposer(Proposer):
+    """Drafts token by token through blocks ``[0, blocks)`` of ``model`` and its head, writing into ``cache``
+    (set by ``start``). Subclasses say which model, which cache and what the verifier receives."""
+
+    def __init__(self, model: EarlyExitModel, blocks: int, cfg: DecodeConfig, generator: torch.Generator):
+        self.model, self.blocks, self.cfg, self.generator = model, blocks, cfg, generator
+        self.adapter: Any = None
+        self.cache: KVCache | None = None
+        self.flag = LaggedFlag(model.device)
+        # Exit hidden states [B, n, H] and positions [B, n] of the slots the adapter has not seen yet (the
+        # slots [cache.lengths[adapter.slot], cache.lengths[0]) once rollback has cut them).
+        self.backlog: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- the exit adapter's backlog ---------------------------------------------------------------------
+    def _adapt(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The adapter's output for the newest token (``hidden [B, 1, H]`` at ``pos [B, 1]``), after it has
+        seen the backlog; its cache layer then holds every slot up to this token's."""
+        if self.backlog is not None:
+            hidden = torch.cat([self.backlog[0], hidden], 1)
+            pos = torch.cat([self.backlog[1], pos], 1)
+            self.backlog = None
+        return self.adapter(self.model, hidden, pos, cache=self.cache)[:, -1:]
+
+    def _push_backlog(self, hidden: torch.Tensor, pos: torch.Tensor) -> None:
+        if self.adapter is None:
+            return
+        if self.backlog is None:
+            self.backlog = (hidden, pos)
+        else:
+            self.backlog = (torch.cat([self.backlog[0], hidden], 1), torch.cat([self.backlog[1], pos], 1))
+
+    def _trim_backlog(self) -> None:
+        """Rollback may have cut slots the backlog holds: keep the ones still in the cache."""
+        if self.backlog is None:
+            return
+        unseen = self.cache.lengths[0] - self.cache.lengths[self.adapter.slot]
+        hidden, pos = self.backlog
+        self.backlog = (hidden[:, :unseen], pos[:, :unseen]) if unseen > 0 else None
+
+    # -- drafting -----------------------------------------------------------------------------------------
+    def _positions(self, r: Round, steps: int) -> torch.Tensor:
+        offsets = torch.arange(steps, device=self.model.device)
+        return (r.positions[:, None] + offsets).clamp(max=self.model.config.max_position_embeddings - 1)
+
+    def draft(self, r: Round, forced: tuple[torch.Tensor, list[int]] | None = None) -> Draft:
+        """Draft up to ``r.limit`` tokens after ``r.last``. ``forced``: ``(tokens [B, m], lengths)``: row b
+        drafts ``tokens[b, :lengths[b]]`` first (an n-gram match of a chain), then its own, like the others."""
+        d, cache, policy, flag, cfg = self.model, self.cache, self.policy, self.flag, self.cfg
+        fixed = 0 if forced is None else max(forced[1])
+        limit = max(r.limit, fixed)
+        hiddens, tokens, probs = [], [], []
+        policy.begin()
+        flag.reset()
+        self._trim_backlog()
+        token, voters = r.last, r.active
+        for i in range(limit + 1):
+            pos = (r.positions + i).clamp(max=d.config.max_position_embeddings - 1)[:, None]  # [B, 1]
+            cache.reserve(r.active[:, None], cache.lengths[0], pos)
+            hidden = d.run_layers(d.embed(token[:, None], pos), 0, self.blocks, pos, cache=cache)
+            hiddens.append(hidden)
+            # The flag about `token` (pushed last step) is read only now, after its pass was launched: no stall.
+            if i == limit or (i >= fixed and not flag.read()):
+                self._push_backlog(hidden, pos)  # never proposed from: the adapter sees it next round
+                break
+            head_input = hidden if self.adapter is None else self._adapt(hidden, pos)
+            token, q, confidence = propose_token(
+                d,
+                head_input[:, -1],
+                cfg,
+                generator=self.generator,
+                vocab=self.vocab,
+                want_probs=policy.dynamic,
+            )
+            if i < fixed:
+                use = torch.tensor([i < n for n in forced[1]], device=d.device)  # [B] rows drafting the match
+                token = torch.where(use, forced[0][:, i], token)
+                if q is not None and not cfg.greedy:
+                    q = torch.where(use[:, None], one_hot(token, d.vocab_size), q)
+                voters = r.active & ~use
+            tokens.append(token)
+            if not cfg.greedy:
+                probs.append(q)
+            if policy.dynamic:
+                flag.push(policy.keep_drafting(confidence, voters))
+        batch, k = r.last.shape[0], len(tokens)
+        drafted = torch.stack(tokens, 1) if tokens else r.last.new_zeros(batch, 0)
+        q_all = None
+        if not cfg.greedy:
+            q_all = torch.stack(probs, 1) if probs else torch.zeros(batch, 0, d.vocab_size, device=d.device)
+        live = int(r.active.sum())
+        adapted = 0 if self.adapter is None else k  # adapter passes (the backlog rides along with them)
+        return self._draft(
+            drafted,
+            q_all,
+            torch.cat(hiddens, 1),
+            layers_run=((k + 1) * self.blocks + adapted) * live,
+            layer_calls=(k + 1) * self.blocks + adapted,
+            sources=None if forced is None else [self.name if n == 0 else "prompt_lookup" for n in forced[1]],
+        )
+
+    def absorb(self, r: Round, tokens: torch.Tensor, lengths: list[int], source: str) -> Draft:
+        """A draft made elsewhere (``tokens [B, k]``, ``lengths`` per row, deterministic) passed through the
+        drafter in one forward, so its cache holds [t, d1..dk] like after its own draft."""
+        d, cache, k = self.model, self.cache, tokens.shape[1]
+        self._trim_backlog()
+        ids = torch.cat([r.last[:, None], tokens], 1)
+        pos = self._positions(r, k + 1)
+        cache.reserve(r.active[:, None].expand_as(ids), cache.lengths[0], pos)
+        hidden = d.run_layers(d.embed(ids, pos), 0, self.blocks, pos, cache=cache)
+        self._push_backlog(hidden, pos)
+        probs = None if self.cfg.greedy else one_hot(tokens, d.vocab_size)
+        live = int(r.active.sum())
+        draft = self._draft(
+            tokens, probs, hidden, layers_run=(k + 1) * self.blocks * live, layer_calls=self.blocks
+        )
+        draft.lengths, draft.sources = lengths, [source] * len(lengths)
+        return draft
+
+    def _draft(self, tokens, probs, hidden, *, layers_run: int, layer_calls: int, sources=None) -> Draft:
+        raise NotImplementedError
+
+    def propose(self, r: Round) -> Draft:
+        return self.draft(r)
+
+
+class ExitProposer(ModelProposer):
+    """Self-speculation: layers ``< E`` of the target (``E = exit_layer``) and the shared exit head, in the
+    target's cache; with ``adapter`` (an ``ExitAdapter`` at E) the head reads its output over ``vocab``."""
+
+    name = "exit"
+
+    def __init__(
+        self,
+        m: EarlyExitModel,
+        exit_layer: int,
+        cfg: DecodeConfig,
+        generator: torch.Generator,
+        *,
+        costs: CostModel,
+        adapter: Any = None,
+        vocab: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(m, exit_layer, cfg, generator)
+        self.adapter, self.vocab, self.costs, self.depth = adapter, vocab, costs, exit_layer
+        if adapter is not None:
+            self.name = "adapter"
+
+    def start(self, m: EarlyExitModel, prompts: list[list[int]], capacity: int) -> Prefill:
+        state = prefill(m, prompts, capacity, adapter=self.adapter)
+        self.cache = state.cache
+        return state
+
+    def token_cost(self) -> float:
+        params = 0 if self.adapter is None else self.adapter.num_parameters()
+        rows = None if self.vocab is None else len(self.vocab)
+        return exit_draft_cost(self.costs, self.model, self.depth, adapter_parameters=params, head_rows=rows)
+
+    def _draft(self, tokens, probs, hidden, *, layers_run: int, layer_calls: int, sources=None) -> Draft:
+        return Draft(tokens, probs, None, hidden, self.depth, sources, layers_run, layer_calls)
+
+
+class DraftModelProposer(ModelProposer):
+    """Two-model speculation: every layer of ``draft`` (a smaller model, the target's tokenizer), in its own
+    cache; ``draft_costs``: the draft model's cost model (its step in the target's unit via ``step_seconds``
+    when both are measured, else by weights read)."""
+
+    name = "draft_model"
+
+    def __init__(
+        self,
+        draft: EarlyExitModel,
+        cfg: DecodeConfig,
+        generator: torch.Generator,
+        *,
+        costs: CostModel,
+        draft_costs: CostModel,
+        vocab: torch.Tensor | None = None,
+        target: EarlyExitModel,
+    ) -> None:
+        super().__init__(draft, draft.num_layers, cfg, generator)
+        self.costs, self.draft_costs, self.vocab, self.target = costs, draft_costs, vocab, target
+
+    def start(self, m: EarlyExitModel, prompts: list[list[int]], capacity: int) -> Prefill:
+        state = prefill(m, prompts, capacity)
+        self.cache = prefill(self.model, prompts, capacity).cache
+        return state
+
+    def caches(self) -> list[KVCache]:
+        return [self.cache]
+
+    def _step_ratio(self) -> float:
+        """The draft model's plain step in the target's."""
+        if self.costs.step_seconds and self.draft_costs.step_seconds:
+            return self.draft_costs.step_seconds / self.costs.step_seconds
+        return self.model.step_cost() / self.target.step_cost()
+
+    def token_cost(self) -> float:
+        rows = None if self.vocab is None else len(self.vocab)
+        return self._step_ratio() * self.draft_costs.draft_token(self.blocks, head_rows=rows)
+
+    def round_cost(self, drafted: int) -> float:
+        # the last draft's pass through the draft model (its cache must hold it), then the whole target
+        last = self._step_ratio() * self.draft_costs.layers(self.blocks)
+        return drafted * self.token_cost() + last + self.costs.verify(drafted + 1)
+
+    def _draft(self, tokens, probs, hidden, *, layers_run: int, layer_calls: int, sources=None) -> Draft:
+        return Draft(tokens, probs, None, None, 0, sources, layers_run, layer_calls)
