@@ -163,14 +163,17 @@ class FastDecoder:
     ) -> GenerationResult:
         """Decode ``inputs``: a text, a list of texts, token ids (``[T]`` list or tensor), a batch of them
         (``[[...], ...]``, ``[B, T]`` tensor) or a tokenizer batch (``input_ids`` + ``attention_mask``, left or
-        right padded). ``method``: a ``fastdecode.decoding.DECODERS`` name, or ``auto`` (the plan's first
-        decoder, ``plan``). ``options``: ``DecodeConfig``
+        right padded). ``method``: a ``fastdecode.decoding.DECODERS`` name, or ``auto``: the plan's first
+        decoder (``plan``), or ``self_speculative`` when ``options`` name an exit or an adapter. ``options``:
+        ``DecodeConfig``
         fields or their HF aliases. ``chat``: render texts through the chat template (None: when the tokenizer
         has one). ``streamer``: an HF-style streamer (``put(ids)``, ``end()``), batch 1 only."""
         prompts, single, is_text = self._prompts(inputs, chat)
-        if method == AUTO:
+        if method == AUTO and not {"exit_layer", "assistant_early_exit", "adapter"} & set(options):
             best = self.plan().best
             method, options = best.method, best.options | options
+        elif method == AUTO:  # an exit or adapter given by hand: draft there
+            method = "self_speculative"
         cfg = self.config(method, max_new_tokens=max_new_tokens, **options)
         if streamer is not None and len(prompts) > 1:
             raise ConfigError(f"streamer= streams one row; got a batch of {len(prompts)}: pass one prompt.")

@@ -55,7 +55,10 @@ def test_expected_tokens_and_the_best_draft_length_see_the_verification_step():
     k_cpu, s_cpu = best_draft_length(CPU, [0.5] * 6, 0.0)
     assert k_gpu == 6 and s_gpu == pytest.approx(expected_tokens([0.5] * 6))
     assert k_cpu == 2 and s_cpu == pytest.approx(1.75 / 1.21)
-    assert best_draft_length(CPU, [0.05] * 6, 0.0) == (0, pytest.approx(1.0))  # drafts that rarely land: a plain step
+    assert best_draft_length(CPU, [0.05] * 6, 0.0) == (
+        0,
+        pytest.approx(1.0),
+    )  # drafts that rarely land: a plain step
 
 
 def test_choose_exit_counts_the_head_the_drafter_and_the_verification():
@@ -81,10 +84,14 @@ def test_one_definition_of_a_block_and_the_estimate(tiny_llama):
     est = estimate_costs(m)
     step = 4 * block + m.lm_head.weight.numel()
     assert est.source == "estimated" and est.layer[0] == pytest.approx(block / step)
-    assert est.verify(5) == pytest.approx(1.0) and est.head_cost() == pytest.approx(m.lm_head.weight.numel() / step)
+    assert est.verify(5) == pytest.approx(1.0) and est.head_cost() == pytest.approx(
+        m.lm_head.weight.numel() / step
+    )
     adapter = build_adapter(m, 2)
     with_adapter = exit_draft_cost(est, m, 2, adapter_parameters=adapter.num_parameters(), head_rows=50)
-    assert with_adapter == pytest.approx(est.draft_token(2, head_rows=50, extra_blocks=adapter.num_parameters() / block))
+    assert with_adapter == pytest.approx(
+        est.draft_token(2, head_rows=50, extra_blocks=adapter.num_parameters() / block)
+    )
 
 
 def test_measured_costs_are_timed_once_per_model_engine_and_threads():
@@ -124,7 +131,9 @@ def test_a_recorded_adapter_is_read_without_loading_it(tmp_path):
     m = lively_model("tiny-llama")
     adapter = build_adapter(m, 2)
     save_adapter(adapter, tmp_path / "E2", m, vocab=torch.arange(40))
-    (tmp_path / INDEX_FILE).write_text(json.dumps({"adapters": {"2": "E2"}, "chosen": 2, "agreement": {"adapter": {"2": 0.7}}}))
+    (tmp_path / INDEX_FILE).write_text(
+        json.dumps({"adapters": {"2": "E2"}, "chosen": 2, "agreement": {"adapter": {"2": 0.7}}})
+    )
     found = recorded_adapter(str(tmp_path))
     assert found == RecordedAdapter(str(tmp_path / "E2"), 2, adapter.num_parameters(), 40, 0.7)
     plan = plan_decoding(m, GPU, adapter=found)

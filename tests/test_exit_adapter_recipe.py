@@ -51,7 +51,12 @@ def test_exit_adapter_recipe_end_to_end(tmp_path):
     assert summary["features"]["scored_positions"] > 0 and summary["features"]["positions_per_s"] > 0
     assert summary["training"]["scored_positions_per_s"] > 0
     assert {"kl/E1", "agree/E2"} <= set(summary["training"]["history"][0])
-    assert summary["speed"]["self_speculative"]["tokens"] == summary["speed"]["autoregressive"]["tokens"]
+    speed = summary["speed"]  # the plan's decoders, lossless: the same tokens as autoregressive decoding
+    assert all(r["tokens"] == speed["autoregressive"]["tokens"] for r in speed["decoders"].values())
+    drafters = [c["options"].get("adapter") for c in speed["plan"]["candidates"]]
+    assert drafters[-1] is None and all(
+        n["drafter"] == "adapter" for n in speed["plan"]["not_paying"]
+    )  # prompt lookup last; the adapter chained first where it pays, named where it does not
     # Decoding through the run directory (the chosen exit, or one named) is lossless.
     m = EarlyExitModel(tiny_model("tiny-llama")[0])
     prompts = [[3, 50, 60, 70], [3, 80]]

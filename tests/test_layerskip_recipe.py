@@ -38,9 +38,21 @@ def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
     report = json.loads((run / "exit_report.json").read_text())
     assert set(report["before"]["generations"]["agreement"]) == {str(i) for i in range(1, 5)}
     assert (run / "exit_report.png").is_file()
-    speed = report["speed"]  # the closing speed line: self-speculation at E=2 vs autoregressive
-    assert speed["exit"] == 2 and 0 <= speed["acceptance"] <= 1 and speed["speedup"] > 0
-    assert speed["self_speculative"]["tokens"] == speed["autoregressive"]["tokens"] > 0
+    # The closing speed line: every decoder of the plan (what the measured cost model expects to pay with
+    # the recorded acceptance) against autoregressive decoding, the same tokens; an exit that does not pay
+    # is named as such.
+    speed, plan = report["speed"], report["speed"]["plan"]
+    assert (
+        report["costs"]["source"] == "measured"
+        and speed["best"] in speed["decoders"]
+        and speed["speedup"] > 0
+    )
+    assert [c["name"] for c in plan["candidates"]] == list(speed["decoders"])
+    assert all(r["tokens"] == speed["autoregressive"]["tokens"] > 0 for r in speed["decoders"].values())
+    exits = [c["options"].get("exit_layer") for c in plan["candidates"]] + [
+        n["exit"] for n in plan["not_paying"]
+    ]
+    assert exits.count(None) == 1 and {e for e in exits if e is not None} <= {1, 2, 3}
     logs = _history(run, 4)
     assert len(logs) == 4 and all("loss/exit_4" in h for h in logs)  # the last exit is always on
     rotated = [sorted(k for k in h if k.startswith("loss/exit_")) for h in logs]
@@ -64,20 +76,28 @@ def _plain_transformers_batches(checkpoint: str, reloaded) -> None:
 
 
 def _library_generates(checkpoint: str) -> None:
-    """``fastdecode.from_pretrained`` on the export self-speculates at its recorded E, losslessly."""
+    """``fastdecode.from_pretrained`` on the export self-speculates at its recorded E, and by default decodes
+    with what the cost model expects to pay; losslessly either way."""
     import fastdecode
 
     fd = fastdecode.from_pretrained(checkpoint, device="cpu", dtype="float32")
-    fast = fd.generate("Hello there", max_new_tokens=8)
+    fast = fd.generate("Hello there", max_new_tokens=8, method="self_speculative")
     assert fast.config.exit_layer == 2 and fast.output.drafted
-    assert fast.text == fd.generate("Hello there", max_new_tokens=8, method="autoregressive").text
+    auto = fd.generate("Hello there", max_new_tokens=8)
+    assert auto.method == fd.plan().best.method
+    assert (
+        fast.text == auto.text == fd.generate("Hello there", max_new_tokens=8, method="autoregressive").text
+    )
 
 
 def test_opting_in_writes_the_exit_into_generation_config(tmp_path):
     """``recipe.export.hf_assistant_early_exit=true``: plain ``generate()`` self-speculates, losslessly."""
     summary = fastdecode_recipes.run(
         layerskip_cfg(
-            tmp_path, "recipe.exit_layer=2", "recipe.report.enabled=false", "recipe.export.hf_assistant_early_exit=true"
+            tmp_path,
+            "recipe.exit_layer=2",
+            "recipe.report.enabled=false",
+            "recipe.export.hf_assistant_early_exit=true",
         )
     )
     reloaded = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
@@ -100,7 +120,7 @@ def test_the_exit_choice_from_the_report_goes_into_the_sidecar(tmp_path, monkeyp
     import fastdecode_recipes.layerskip as recipe
 
     fake = {"exit": 3, "draft": 2, "expected_speedup": 1.4} if useful else {"exit": None, "draft": 0}
-    monkeypatch.setattr(recipe, "choose_exit", lambda agreement, layers, k, **kw: dict(fake))
+    monkeypatch.setattr(recipe, "choose_exit", lambda agreement, costs, **kw: dict(fake))
     summary = fastdecode_recipes.run(layerskip_cfg(tmp_path))
     saved = json.loads((Path(summary["checkpoint"]) / "fastdecode.json").read_text())["exit_layer"]
     assert saved == fake["exit"] == summary["recommended_exit"]["exit"]  # None: no exit recorded

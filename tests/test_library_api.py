@@ -67,7 +67,12 @@ def test_hf_aliases_and_misspelt_options(fd):
         num_assistant_tokens_schedule="heuristic",
         assistant_confidence_threshold=0.2,
     )
-    assert (cfg.exit_layer, cfg.draft_tokens, cfg.policy, cfg.confidence_threshold) == (3, 5, "heuristic", 0.2)
+    assert (cfg.exit_layer, cfg.draft_tokens, cfg.policy, cfg.confidence_threshold) == (
+        3,
+        5,
+        "heuristic",
+        0.2,
+    )
     assert cfg.eos_token_id == [fd.tokenizer.eos_token_id]  # EOS from the tokenizer
     with pytest.raises(ConfigError, match="Did you mean 'exit_layer'"):
         fd.config("self_speculative", max_new_tokens=4, exit_layr=2)
@@ -108,7 +113,9 @@ def checkpoint_dir(tmp_path_factory):
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     write_sidecar(out, recipe="layerskip", run_name="layerskip-tiny-llama", exit_layer=3)
-    save_draft_vocab(out / "draft_vocab.json", torch.arange(40), vocab_size=model.config.vocab_size, source="t")
+    save_draft_vocab(
+        out / "draft_vocab.json", torch.arange(40), vocab_size=model.config.vocab_size, source="t"
+    )
     skip = {"max_budget": 3, "min_budget": 2, "warmup_layers": 1, "max_length": None}
     (out / "skipdecode.json").write_text(json.dumps({"skip": skip}))
     return out
@@ -123,9 +130,39 @@ def test_from_pretrained_reads_what_the_checkpoint_records(checkpoint_dir):
     assert (skip.max_budget, skip.min_budget) == (3, 2)
     assert fd.config("autoregressive", max_new_tokens=4).exit_layer is None  # defaults are per method
     prompt = "Tell me"
-    fast = fd.generate(prompt, max_new_tokens=10)  # self_speculative at the recorded E, its draft vocabulary
+    fast = fd.generate(prompt, max_new_tokens=10, method="self_speculative")  # the recorded E and vocabulary
     plain = fd.generate(prompt, max_new_tokens=10, method="autoregressive")
-    assert fast.text == plain.text and fast.output.drafted
+    assert fast.text == plain.text and fast.config.exit_layer == 3 and sum(fast.output.drafted)
+    # No acceptance recorded for E: the default decodes with prompt lookup, which needs nothing recorded.
+    auto = fd.generate(prompt, max_new_tokens=10)
+    assert auto.method == "prompt_lookup" and auto.text == plain.text
+    assert fd.plan().not_paying == [] and [c.name for c in fd.plan().candidates] == ["prompt_lookup"]
+
+
+def test_the_default_decoder_is_what_the_checkpoint_expects_to_pay(checkpoint_dir, tmp_path):
+    """With an exit report that records high acceptance at E (the LayerSkip recipe writes it), the default
+    chains prompt lookup before that exit; with a poor one, the exit is named as not paying."""
+    import shutil
+
+    for agreement, expected in (({"3": 0.99}, "self_speculative"), ({"3": 0.01}, "prompt_lookup")):
+        run = tmp_path / str(agreement["3"])
+        shutil.copytree(checkpoint_dir, run / "final")
+        report = {"after": {"generations": {"agreement": agreement}}}
+        (run / "exit_report.json").write_text(json.dumps(report))
+        fd = fastdecode.from_pretrained(str(run / "final"), device="cpu", dtype="float32")
+        out = fd.generate("Tell me", max_new_tokens=10)
+        assert out.method == expected
+        assert out.text == fd.generate("Tell me", max_new_tokens=10, method="autoregressive").text
+        if expected == "self_speculative":
+            assert out.config.chain and out.config.exit_layer == 3 and "exit" in out.output.by_proposer
+        else:
+            assert fd.plan().not_paying[0]["exit"] == 3
+
+
+def test_every_model_generates_by_default():
+    """A model that records no exit or adapter still generates with the default (prompt lookup)."""
+    out = fastdecode.from_pretrained("tiny-llama").generate("hello", max_new_tokens=6)
+    assert out.method == "prompt_lookup" and len(out.ids[0]) == 6
 
 
 def test_from_pretrained_names_what_it_cannot_load():

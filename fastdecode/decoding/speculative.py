@@ -101,6 +101,9 @@ def accept(logits: torch.Tensor, draft: Draft, cfg: DecodeConfig, *, generator: 
     accepted; the token after a fully accepted draft is the bonus drawn from p there."""
     k = draft.k
     target = logits.argmax(-1)  # [B, k+1]
+    if k == 0 and cfg.greedy:  # nothing drafted: a plain decoding step
+        none = torch.zeros_like(target[:, 0])
+        return Verdict(accepted=none, next_token=target[:, 0], oracle=none, target=target)
     valid = _valid(draft, logits.device)
     oracle = ((draft.tokens == target[:, :k]) & valid).long().cumprod(-1).sum(-1)
     if cfg.greedy:
@@ -122,10 +125,15 @@ def accept(logits: torch.Tensor, draft: Draft, cfg: DecodeConfig, *, generator: 
     return Verdict(accepted, sample(residual, generator), oracle, target)
 
 
-def rollback(cache: KVCache, start: int, *, accepted: torch.Tensor, longest: int) -> None:
+def rollback(
+    cache: KVCache, start: int, *, accepted: torch.Tensor, longest: int, ragged: bool = True
+) -> None:
     """Keep slots ``[start, start + longest]`` (t plus the longest accepted run); rows that accepted fewer
-    drafts (``accepted [B]``, at most ``longest``) get their rejected slots masked (holes)."""
+    drafts (``accepted [B]``, at most ``longest``) get their rejected slots masked (holes). ``ragged=False``:
+    every row kept ``longest``, so there is nothing to mask."""
     cache.crop(start + longest + 1)
+    if not ragged:
+        return
     offsets = torch.arange(longest + 1, device=accepted.device)  # [longest + 1]
     keep = offsets[None, :] <= accepted[:, None]  # [B, longest + 1]
     cache.key_valid[:, start : start + longest + 1] &= keep
@@ -160,8 +168,10 @@ def settle(
         done.sources[row] = draft.sources[row] if draft.sources else None
         done.kept[row] = rows.emit(row, host[row][:a] + [host[row][k]]) - 1
     kept_t = torch.tensor(done.kept, device=verdict.accepted.device)
+    longest = max(done.kept)
+    ragged = any(done.kept[row] != longest for row in range(batch))
     for cache in caches:
-        rollback(cache, start, accepted=kept_t, longest=max(done.kept))
+        rollback(cache, start, accepted=kept_t, longest=longest, ragged=ragged)
     out.record(
         [done.accepted[row] for row in live],
         [lengths[row] for row in live],
