@@ -18,7 +18,8 @@ step.
 Two sources:
 
 - ``measured`` (``measure_costs``): timed on the loaded model on the path decoding takes (the engine with its
-  calibrated kernels, the cache), medians of interleaved rounds, once per model, engine and thread count. On a
+  calibrated kernels, the cache), the least disturbed of interleaved rounds, once per model, engine and thread
+  count. On a
   CPU a forward over T new tokens is far from free (the kernels' cost steps up with T), and the choices must
   see that.
 - ``estimated`` (``estimate_costs``): the weights each part reads, the memory-bound model of a GPU at batch 1
@@ -31,7 +32,6 @@ and through it the recipes' speed lines, ``eval/exits.py`` and the speed benchma
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -171,10 +171,12 @@ def measure_costs(
     tokens: Sequence[int] = PROBE_TOKENS,
     *,
     context: int = PROBE_CONTEXT,
-    repeats: int = 5,
+    repeats: int = 7,
 ) -> CostModel:
     """Time the model's layers and head at every T of ``tokens`` on the engine it has selected (interleaved
-    rounds after one untimed round; medians), at batch 1 with ``context`` cached tokens of random ids."""
+    rounds after one untimed round; the least disturbed round per T, as the engine's kernel calibration
+    keeps: on a shared machine the minimum is the stable statistic), at batch 1 with ``context`` cached
+    tokens of random ids."""
     device, tokens = m.device, tuple(sorted(set(tokens)))
     context = min(context, m.config.max_position_embeddings - max(tokens))
     generator = torch.Generator().manual_seed(0)
@@ -202,15 +204,15 @@ def measure_costs(
             if round_:  # the first round warms every shape up
                 layer_times[t].append(seconds)
                 head_times[t].append(head)
-    layer_med = [statistics.median(layer_times[t]) / m.num_layers for t in tokens]
-    head_med = [statistics.median(head_times[t]) for t in tokens]
-    step = layer_med[0] * m.num_layers + head_med[0]
+    layer_min = [min(layer_times[t]) / m.num_layers for t in tokens]
+    head_min = [min(head_times[t]) for t in tokens]
+    step = layer_min[0] * m.num_layers + head_min[0]
     return CostModel(
         m.num_layers,
         m.vocab_size,
         tokens,
-        tuple(x / step for x in layer_med),
-        tuple(x / step for x in head_med),
+        tuple(x / step for x in layer_min),
+        tuple(x / step for x in head_min),
         "measured",
         step,
     )
