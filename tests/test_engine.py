@@ -293,33 +293,51 @@ def test_engine_benchmark_writes_its_report(tmp_path):
 
 # --------------------------------------------------------------------------------------------------------
 # The default draft length (configs/decoder/self_speculative.yaml: draft_tokens: auto)
-def _checkpoint(tmp_path, acceptance: dict[int, float] | None):
+def _recorded(tmp_path, acceptance: dict[int, float]) -> dict[int, float] | None:
+    """The acceptance a LayerSkip run records (``run/exit_report.json`` beside ``run/final``), read back."""
+    from fastdecode.checkpoint_info import recorded_acceptance
+
     final = tmp_path / "run" / "final"
     final.mkdir(parents=True)
-    geometry = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4}
-    geometry |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 261}
-    (final / "config.json").write_text(json.dumps(geometry))
-    if acceptance is not None:
-        report = {"after": {"generations": {"agreement": {str(k): v for k, v in acceptance.items()}}}}
-        (tmp_path / "run" / "exit_report.json").write_text(json.dumps(report))
-    return str(final)
+    report = {"after": {"generations": {"agreement": {str(k): v for k, v in acceptance.items()}}}}
+    (tmp_path / "run" / "exit_report.json").write_text(json.dumps(report))
+    return recorded_acceptance(final)
 
 
 def test_auto_draft_length_follows_the_recorded_acceptance(tmp_path):
-    from fastdecode.bench.config import AUTO_DRAFT_CAP, head_cost_from_config, resolve_draft_tokens
+    """Resolved after the model loads, with its measured cost model: a recorded acceptance that pays gives the
+    constant K the cost model picks; a poor one or none the adaptive policy; a fixed K is left alone."""
+    from fastdecode.bench.auto import resolve_draft_tokens
+    from fastdecode.bench.config import AUTO_DRAFT_CAP, Method, MethodConfig
+    from fastdecode.choose import choose_exit
+    from fastdecode.cost import estimate_costs
 
-    options = {"policy": "constant", "draft_tokens": "auto"}
-    assert resolve_draft_tokens(options, 2, None).startswith("adaptive")  # nothing recorded
-    assert options == {"policy": "adaptive", "draft_tokens": AUTO_DRAFT_CAP}
-    good = _checkpoint(tmp_path / "good", {1: 0.5, 2: 0.95, 4: 1.0})
-    layers, head_cost = head_cost_from_config(good)
-    assert layers == 4 and head_cost == pytest.approx(261 * 64 / (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128))
-    options = {"policy": "constant", "draft_tokens": "auto"}
-    source = resolve_draft_tokens(options, 2, good)
-    assert options["policy"] == "constant" and options["draft_tokens"] >= 2 and "cost model" in source
-    poor = _checkpoint(tmp_path / "poor", {2: 0.3})  # at E=2 of 4 layers no constant K pays
-    options = {"policy": "constant", "draft_tokens": "auto"}
-    assert "no constant K" in resolve_draft_tokens(options, 2, poor)
-    assert options["policy"] == "adaptive"
-    fixed = {"policy": "constant", "draft_tokens": 3}
-    assert resolve_draft_tokens(fixed, 2, good) is None and fixed["draft_tokens"] == 3
+    m = lively_model("tiny-llama")
+    costs = estimate_costs(
+        m
+    )  # the benchmark measures it (decoding_costs); timings would make this test flaky
+
+    def method(draft_tokens):
+        spec = MethodConfig(decoder="self_speculative", uses_exit_layer=True)
+        return Method("s", spec, {"policy": "constant", "draft_tokens": draft_tokens, "exit_layer": 1}, 1)
+
+    unrecorded = method("auto")
+    resolve_draft_tokens(unrecorded, m, costs, None)
+    assert unrecorded.options == {"policy": "adaptive", "draft_tokens": AUTO_DRAFT_CAP, "exit_layer": 1}
+    assert (
+        unrecorded.draft_source.startswith("adaptive") and "no acceptance recorded" in unrecorded.draft_source
+    )
+    good = method("auto")
+    resolve_draft_tokens(good, m, costs, _recorded(tmp_path / "good", {1: 1.0, 2: 0.5}))
+    expected = choose_exit({1: 1.0}, costs, max_draft=AUTO_DRAFT_CAP)  # drafting at E=1 of 4 always agrees
+    assert expected["exit"] == 1 and good.options["policy"] == "constant"
+    assert good.options["draft_tokens"] == expected["draft"] >= 2
+    assert good.draft_source.startswith("cost model (estimated): recorded acceptance 1.00 at E=1")
+    poor = method("auto")
+    resolve_draft_tokens(poor, m, costs, _recorded(tmp_path / "poor", {1: 0.05}))
+    assert poor.options["policy"] == "adaptive" and poor.options["draft_tokens"] == AUTO_DRAFT_CAP
+    assert "no constant K is expected to pay" in poor.draft_source
+    fixed = method(3)
+    resolve_draft_tokens(fixed, m, costs, _recorded(tmp_path / "fixed", {1: 1.0}))
+    assert fixed.options["draft_tokens"] == 3 and fixed.options["policy"] == "constant"
+    assert fixed.draft_source is None

@@ -464,7 +464,8 @@ def test_speed_and_exits_check_exit_layer_and_data_before_loading(tmp_path, monk
     from fastdecode_cli.exits import run as run_exits
 
     monkeypatch.setattr(fastdecode.loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
-    cfg = speed_cfg("model=tiny-llama", "exit_layer=99", f"output_dir={tmp_path}", "n_prompts=1")
+    selected = "decoder=[autoregressive,self_speculative,hf_generate]"  # a method that drafts at E
+    cfg = speed_cfg("model=tiny-llama", "exit_layer=99", f"output_dir={tmp_path}", "n_prompts=1", selected)
     with pytest.raises(ConfigError, match=r"exit layer 99 must be in \[1, 3\] \(the model has 4 layers\)"):
         run_speed(cfg)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

@@ -12,12 +12,12 @@ from hydra.errors import MissingConfigException
 from fastdecode.bench.config import Method, MethodConfig, SpeedJob, plan
 from fastdecode.bench.engines import FastdecodeRunner, HFRunner, LayerCounter, cut_at_eos
 from fastdecode.bench.speed import tokenize_prompts
-from fastdecode.bench.stats import Record, oracle_report, token_match
+from fastdecode.bench.stats import Record, oracle_report, summarise, token_match
 from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
 from fastdecode.data.config import DataConfig
 from fastdecode.decoding import DECODERS, DecodeConfig, DecodeOutput, JacobiOptions, SkipOptions
-from tests.helpers import lively_model, random_prompts, tiny_llama_adapter
-from tests.job_configs import speed_cfg, tiny_speed_cfg
+from tests.helpers import lively_model, random_prompts, tiny_llama_adapter, tiny_model
+from tests.job_configs import LIVELY, speed_cfg, tiny_speed_cfg
 
 
 @pytest.mark.parametrize("name", group_choices("decoder"))
@@ -33,21 +33,33 @@ def test_every_decoder_option_composes_and_plans(name, tmp_path):
     )
     assert list(cfg.decoder) == [name]  # each file is keyed by its own name
     spec = to_dataclass(MethodConfig, cfg.decoder[name], f"decoder.{name}")
-    if spec.engine == "fastdecode" and (spec.decoder or name) not in DECODERS:
-        pytest.skip(f"decoder '{spec.decoder}' is not registered in DECODERS yet")
+    # every fastdecode method names a registered decoder, or is `auto` (expanded after the model loads)
+    assert spec.engine == "hf" or (spec.decoder or name) in DECODERS or spec.decoder == "auto"
     job, methods, _ = plan(cfg)
     assert [m.name for m in methods] == [name]
+    assert methods[0].is_auto == (spec.decoder == "auto")
     if spec.uses_exit_layer:
         assert methods[0].exit_layer == 2
 
 
-def test_default_speed_config_needs_an_exit_layer_for_self_speculation():
+def test_the_new_method_configs_are_among_the_options():
+    names = set(group_choices("decoder"))
+    assert {"prompt_lookup", "lookahead", "self_speculative_chain", "self_speculative_adapter_chain"} <= names
+    assert "auto" in names
+
+
+def test_default_speed_config_is_short_and_needs_no_exit_layer():
+    job, methods, source = plan(speed_cfg())
+    assert [m.name for m in methods] == ["autoregressive", "auto", "hf_generate"] and source == "unset"
+    assert (job.n_prompts, job.max_new_tokens, job.repeats, job.warmup, job.ttft) == (8, 96, 1, 1, False)
+    assert job.output_dir == "outputs/speed/smollm2-135m"
+    assert plan(speed_cfg("n_prompts=null"))[0].n_prompts is None  # every prompt of the set
+    selected = "decoder=[autoregressive,self_speculative,hf_generate,hf_early_exit]"
     with pytest.raises(ConfigError, match=r"method 'self_speculative' needs an exit layer E.*exit_layer=E"):
-        plan(speed_cfg())
-    job, methods, source = plan(speed_cfg("exit_layer=8"))
-    assert job.output_dir == "outputs/speed/smollm2-135m" and source == "exit_layer"
-    assert [m.name for m in methods] == ["autoregressive", "self_speculative", "hf_generate", "hf_early_exit"]
-    assert methods[3].options["assistant_early_exit"] == 8
+        plan(speed_cfg(selected))
+    job, methods, source = plan(speed_cfg(selected, "exit_layer=8"))
+    assert source == "exit_layer" and methods[3].options["assistant_early_exit"] == 8
+    assert methods[1].options["draft_tokens"] == "auto"  # resolved once the model loads (bench/auto.py)
 
 
 def test_exit_layer_comes_from_the_checkpoint_generation_config(tmp_path):
@@ -58,14 +70,16 @@ def test_exit_layer_comes_from_the_checkpoint_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"assistant_early_exit": 3}))
     save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))  # plan() checks the files are there
     (tmp_path / "tokenizer.json").write_text("{}")
-    job, methods, source = plan(speed_cfg("model=tiny-llama", f"checkpoint={tmp_path}"))
+    selected = ["decoder=[autoregressive,self_speculative]", "hf_baseline=null"]
+    job, methods, source = plan(speed_cfg("model=tiny-llama", f"checkpoint={tmp_path}", *selected))
     assert source.startswith("checkpoint") and methods[1].options["exit_layer"] == 3
 
 
 def test_end_to_end_on_tiny_llama(tmp_path):
     from eval.speed import run
 
-    result = run(tiny_speed_cfg(tmp_path, "exit_layer=2"))
+    selected = "decoder=[autoregressive,self_speculative,hf_generate,hf_early_exit]"
+    result = run(tiny_speed_cfg(tmp_path, "exit_layer=2", selected, "ttft=true"))
     out = tmp_path / "out"
     saved = json.loads((out / "speed.json").read_text())
     names = ["autoregressive", "self_speculative", "hf_generate", "hf_early_exit"]
@@ -84,6 +98,8 @@ def test_end_to_end_on_tiny_llama(tmp_path):
         assert 1 <= record["new_tokens"] <= 8 and record["ttft_s"] > 0 and record["wall_time_s"] > 0
     assert saved["meta"]["dtype"] == "float32" and saved["meta"]["hardware"]["cpu_cores"] >= 1
     assert "self_speculative" in saved["oracle"]
+    assert saved["methods"]["self_speculative"]["draft_source"].startswith("adaptive")  # nothing recorded
+    assert saved["plan"] is None and saved["categories"] is None and saved["category_summary"] == []
     with open(out / "summary.csv") as f:
         assert [row["method"] for row in csv.DictReader(f)] == names
     assert "| hf_early_exit |" in (out / "speed.md").read_text()
@@ -119,6 +135,7 @@ def test_sweep_grid_batches_and_skips(tmp_path):
             "exit_layer=2",
             "batch_sizes=[2]",
             "repeats=1",
+            "ttft=true",
             "decoder=[autoregressive,hf_generate,hf_early_exit]",
         )
     )
@@ -133,11 +150,23 @@ def test_sweep_grid_batches_and_skips(tmp_path):
     [
         (["decoder.autoregressive.decoder=nope"], r"Unknown decoder 'nope'"),
         (["decoder=[autoregressive,self_speculative]"], r"'self_speculative' needs an exit layer"),
+        (["+decoder.auto.options.exit_layer=2"], r"decoder.auto.options sets exit_layer: the plan chooses"),
+        (["+decoder.auto.options.polcy=adaptive"], r"Did you mean 'policy'"),
+        (["adapter=/nonexistent"], r"decoder.adapter='/nonexistent': no adapter.json there"),
+        (["n_prompts=0"], r"n_prompts=0: must be >= 1"),
         (["decoder=[autoregressive,assisted]"], r"'assisted' needs a draft model: pass draft_model="),
         (["exit_layer=2", "+decoder.self_speculative.options.draft_tokns=3"], r"Did you mean 'draft_tokens'"),
         (["exit_layer=2", "+decoder.self_speculative.options.temperature=1"], r"for every method alike"),
         (["exit_layer=2", "+decoder.hf_generate.options.do_sample=true"], r"sets do_sample"),
-        (["exit_layer=2", "+decoder.hf_early_exit.options.num_assistant_tokns=3"], r"num_assistant_tokens"),
+        (
+            [
+                "exit_layer=2",
+                "decoder=[autoregressive,hf_early_exit]",
+                "hf_baseline=null",
+                "+decoder.hf_early_exit.options.num_assistant_tokns=3",
+            ],
+            r"num_assistant_tokens",
+        ),
         (["exit_layer=2", "decoder=[self_speculative]"], r"baseline=autoregressive is not among the methods"),
         (["exit_layer=2", "data.path=/nonexistent.jsonl"], r"not a file"),
         (["exit_layer=2", "checkpoint=/nonexistent"], r"not a model directory"),
@@ -214,10 +243,10 @@ def test_token_match_and_oracle_statistics():
     assert token_match([1, 2, 3], [1, 2, 3]) == (3, 3, None)
     assert token_match([1, 2, 3], [1, 5, 3]) == (2, 3, 1)
     assert token_match([1, 2, 3], [1, 2]) == (2, 3, 2)  # stopping early is a divergence
-    out = DecodeOutput(tokens=[[1, 2, 3]])
-    out.record([2], 4, [2])
-    out.record([4], 4, [4])
-    out.record([0], 0, [0])  # the budget's last round drafts nothing: not an oracle sample
+    out = DecodeOutput(tokens=[[1, 2, 3], [4, 5]])
+    out.record([2, 0], [4, 0], [2, 0])  # ragged: row 1 drafted nothing (no n-gram match)
+    out.record([4], [4], [4])
+    out.record([0], [0], [0])  # the budget's last round drafts nothing: not an oracle sample
     record = Record(
         method="s",
         repeat=0,
@@ -234,6 +263,10 @@ def test_token_match_and_oracle_statistics():
     report = oracle_report([record])["s"]
     assert report["verifications"] == 2 and report["histogram"] == {2: 1, 4: 1}
     assert report["draft_cap"] == 4 and report["capped_fraction"] == 0.5 and report["mean"] == 3.0
+    (row,) = summarise([record], None, None)
+    assert row["acceptance_rate"] == 6 / 8  # over the drafted lengths per row: 4 + 0 + 4 + 0
+    assert row["mean_accepted_length"] == (3 + 1 + 5 + 1) / 4  # tokens per row verification
+    assert row["position_acceptance"] == [1.0, 1.0, 0.5, 0.5]  # only rows that drafted position i count
 
 
 def test_prompts_go_through_the_chat_template(tmp_path):
@@ -300,3 +333,161 @@ def test_hf_early_exit_drafter_prefills_the_prompt_once():
         counts.append(counter.tokens)
     drafting = counts[0] - counts[1]  # the drafter's one prefill (2 layers x 200) plus the decoding work
     assert 2 * len(prompt) <= drafting < 2 * 2 * len(prompt)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The n-gram and chain methods, the auto method, MT-bench categories, the default run's size
+@pytest.mark.parametrize(
+    "methods,extra",
+    [
+        ("prompt_lookup,lookahead,self_speculative_chain", [LIVELY]),
+        ("self_speculative_adapter_chain", []),  # the adapter fits the shared tiny-llama weights
+    ],
+)
+def test_new_methods_run_and_match_autoregressive(tmp_path, methods, extra):
+    from eval.speed import run
+
+    if not extra:
+        extra = [f"adapter={tiny_llama_adapter(tmp_path, 2)}"]
+    cfg = tiny_speed_cfg(
+        tmp_path,
+        f"decoder=[autoregressive,{methods}]",
+        "exit_layer=2",
+        "hf_baseline=null",
+        "repeats=1",
+        *extra,
+    )
+    result = run(cfg)
+    rows = {row["method"]: row for row in result["summary"]}
+    assert list(rows) == ["autoregressive", *methods.split(",")]
+    for name in methods.split(","):  # lossless: greedy output equals autoregressive's, row for row
+        assert rows[name]["match_rate"] == 1.0 and rows[name]["identical_rows"] == 1.0, name
+        assert rows[name]["decode_steps"] is not None
+    if "self_speculative_chain" in rows:
+        assert result["methods"]["self_speculative_chain"]["options"]["chain"] is True
+        assert rows["self_speculative_chain"]["exit_layer"] == 2
+
+
+def test_auto_without_records_is_prompt_lookup_and_the_run_says_its_size(tmp_path, capsys):
+    from eval.speed import run
+
+    result = run(tiny_speed_cfg(tmp_path, "repeats=1"))  # the default methods: autoregressive, auto, HF
+    assert "3 methods x 3 prompts x 1 repeats = 9 timed calls (+ 5 warm-up calls)" in capsys.readouterr().out
+    assert [c["name"] for c in result["plan"]["candidates"]] == ["prompt_lookup"]
+    assert result["plan"]["not_paying"] == []  # no checkpoint: no exit to consider
+    rows = {row["method"]: row for row in result["summary"]}
+    assert list(rows) == ["autoregressive", "auto:prompt_lookup", "hf_generate"]
+    assert rows["auto:prompt_lookup"]["auto_best"] is True and rows["autoregressive"]["auto_best"] is None
+    assert rows["auto:prompt_lookup"]["match_rate"] == 1.0
+    assert result["methods"]["auto:prompt_lookup"]["decoder"] == "prompt_lookup"
+    assert result["meta"]["costs"]["source"] == "measured" and result["meta"]["costs"]["num_layers"] == 4
+    md = (tmp_path / "out" / "speed.md").read_text()
+    assert "| auto:prompt_lookup (auto best) |" in md
+    assert "auto planned prompt_lookup (text-dependent)" in md and "not expected to pay: none" in md
+
+
+def _checkpoint_with_report(tmp_path, agreement: dict[int, float]):
+    """tiny-llama whose layers >= 1 write nothing (exit 1 is the output) exported as ``run/final``, with the
+    exit_report.json a LayerSkip run writes beside it."""
+    model, tokenizer = lively_model("tiny-llama", zero_from=1).hf, tiny_model("tiny-llama")[1]
+    final = tmp_path / "run" / "final"
+    model.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    report = {"after": {"generations": {"agreement": {str(k): v for k, v in agreement.items()}}}}
+    (tmp_path / "run" / "exit_report.json").write_text(json.dumps(report))
+    return final
+
+
+def test_auto_with_a_recorded_acceptance_runs_the_chain_first(tmp_path, monkeypatch):
+    import fastdecode.bench.auto
+    from eval.speed import run
+    from fastdecode.cost import estimate_costs
+
+    # The weights' cost model instead of timings, so the choice does not depend on how busy the machine is.
+    monkeypatch.setattr(fastdecode.bench.auto, "decoding_costs", estimate_costs)
+    final = _checkpoint_with_report(tmp_path, {1: 1.0, 3: 0.2})
+    cfg = tiny_speed_cfg(tmp_path, f"checkpoint={final}", "decoder=[autoregressive,auto]", "hf_baseline=null")
+    result = run(cfg)
+    names = [c["name"] for c in result["plan"]["candidates"]]
+    assert names == ["prompt_lookup+exit", "prompt_lookup"]
+    chain = result["methods"]["auto:prompt_lookup+exit"]
+    assert chain["decoder"] == "self_speculative" and chain["candidate"]["expected_speedup"] > 1.05
+    assert chain["options"]["chain"] is True and chain["options"]["exit_layer"] == 1
+    rows = {row["method"]: row for row in result["summary"]}
+    assert list(rows) == ["autoregressive", "auto:prompt_lookup+exit", "auto:prompt_lookup"]
+    assert sum(bool(row["auto_best"]) for row in rows.values()) == 1
+    for name in names:
+        assert rows[f"auto:{name}"]["match_rate"] == 1.0
+    assert rows["auto:prompt_lookup+exit"]["by_proposer"]  # the chain's acceptance per drafter
+    assert result["meta"]["costs"]["source"] == "estimated"
+    assert "auto planned prompt_lookup+exit (expected" in (tmp_path / "out" / "speed.md").read_text()
+
+
+MT_CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+
+
+def _mt_bench_file(path, per_category: int = 2):
+    """An MT-bench ``question.jsonl``: questions grouped by category, as the real file is."""
+    with open(path, "w") as f:
+        qid = 81
+        for category in MT_CATEGORIES:
+            for i in range(per_category):
+                turns = [f"{category} question {i}: repeat {category} {category}.", "And again?"]
+                f.write(json.dumps({"question_id": qid, "category": category, "turns": turns}) + "\n")
+                qid += 1
+    return path
+
+
+def test_mt_bench_prompts_are_taken_round_robin_across_categories(tmp_path):
+    from fastdecode.bench.speed import read_prompt_records
+    from fastdecode.tokenizer import byte_tokenizer
+
+    data = _mt_bench_file(tmp_path / "question.jsonl")
+    base = ["model=tiny-llama", "data=mt_bench", f"data.path={data}", "decoder=[autoregressive]"]
+    job, _, _ = plan(speed_cfg(*base, "hf_baseline=null"))  # the default n_prompts=8: one per category
+    records = read_prompt_records(job)
+    prompts = tokenize_prompts(job, records, byte_tokenizer(), context=2048)
+    by_id = {r["id"]: r["category"] for r in records}
+    assert [by_id[pid] for pid, _ in prompts] == MT_CATEGORIES
+    job, _, _ = plan(speed_cfg(*base, "hf_baseline=null", "n_prompts=null"))
+    records = read_prompt_records(job)
+    prompts = tokenize_prompts(job, records, byte_tokenizer(), context=2048)
+    assert [pid for pid, _ in prompts] == [f"mt_bench/{q}" for q in range(81, 97)]  # all, in file order
+
+
+def test_per_category_rows_and_table(tmp_path):
+    from eval.speed import run
+
+    data = _mt_bench_file(tmp_path / "question.jsonl", per_category=1)
+    cfg = tiny_speed_cfg(
+        tmp_path,
+        "data=mt_bench",
+        f"data.path={data}",
+        "n_prompts=3",
+        "decoder=[autoregressive,prompt_lookup]",
+        "hf_baseline=null",
+        "repeats=1",
+        "warmup=0",
+    )
+    result = run(cfg)
+    assert result["categories"] == {f"mt_bench/{81 + i}": MT_CATEGORIES[i] for i in range(3)}
+    assert [r["categories"] for r in result["records"][:2]] == [["writing"], ["writing"]]
+    rows = result["category_summary"]
+    assert {(r["method"], r["category"]) for r in rows} == {
+        (method, category) for method in ("autoregressive", "prompt_lookup") for category in MT_CATEGORIES[:3]
+    }
+    for row in rows:
+        assert row["calls"] == 1 and row["tokens_per_s"] > 0
+        if row["method"] == "autoregressive":
+            assert row["speedup_vs_baseline"] == 1.0 and row["acceptance_rate"] is None
+        else:
+            assert row["speedup_vs_baseline"] > 0 and row["match_rate"] == 1.0
+    assert len(result["summary"]) == 2  # the overall rows are unchanged
+    md = (tmp_path / "out" / "speed.md").read_text()
+    assert "Speedup vs baseline per category (T=0.0, batch 1):" in md
+    assert (
+        "| method | writing | roleplay | reasoning |" in md
+        and "| autoregressive | 1.00x | 1.00x | 1.00x |" in md
+    )
+    with open(tmp_path / "out" / "category_summary.csv") as f:
+        assert len(list(csv.DictReader(f))) == 6

@@ -15,6 +15,12 @@ HF) unless ``options`` fixes one; ``uses_adapter`` injects the job's exit adapte
 draft model (``draft=`` / ``assistant_model=``);
 ``max_batch_size`` skips larger batches with a recorded reason (HF assisted generation is batch-1 only), and
 ``sampling: false`` skips temperatures > 0 (greedy-only methods such as Jacobi decoding).
+
+Two things wait for the loaded model (``fastdecode/bench/auto.py``), because they need its measured cost model:
+``draft_tokens: auto`` (the K the cost model picks from the acceptance the checkpoint records) and the ``auto``
+method (``decoder: auto``, not a ``DECODERS`` entry), which becomes one method per candidate of the plan
+(``fastdecode.choose.plan_decoding``). Everything about them that can be checked without the model is checked
+here: their other options, the checkpoint's acceptance record, the adapter's record.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastdecode.checkpoint_info import checkpoint_model, recommended_exit
+from fastdecode.checkpoint_info import checkpoint_model, recommended_exit, recorded_acceptance
 from fastdecode.config import (
     ConfigError,
     ModelConfig,
@@ -42,7 +48,9 @@ MODES = ("compare", "sweep")
 GRID_KEYS_HF = ("assistant_early_exit", "num_assistant_tokens")
 JOB_OWNED = ("max_new_tokens", "temperature", "top_k", "top_p", "eos_token_id", "seed")
 HF_OWNED = ("do_sample", "num_beams", "pad_token_id", "min_new_tokens", "max_length")
+AUTO = "auto"  # draft_tokens: auto (K from the cost model), and decoder: auto (the plan's candidates)
 AUTO_DRAFT_CAP = 8  # draft_tokens: auto without a usable recorded acceptance -> the adaptive policy, K <= 8
+PLAN_OWNED = ("exit_layer", "adapter", "chain", "policy", "draft_tokens")  # the plan sets these per candidate
 
 
 @dataclass
@@ -81,7 +89,7 @@ class SpeedJob:
     draft_model: str | None = None
     exit_layer: int | None = None
     adapter: str | None = None
-    n_prompts: int = 10
+    n_prompts: int | None = 8  # None: every prompt of the set
     prompt_split: str = "auto"
     max_prompt_tokens: int = 1024
     chat_template: str = "auto"
@@ -111,12 +119,18 @@ class Method:
     options: dict
     exit_layer: int | None = None
     grid: tuple[int, int] | None = None  # sweep: (exit layer, draft tokens)
-    draft_source: str | None = None  # how ``draft_tokens: auto`` was resolved
+    draft_source: str | None = None  # how ``draft_tokens: auto`` was resolved (after the model loads)
+    candidate: dict | None = None  # an ``auto`` method's plan candidate (``fastdecode.choose.Candidate``)
+
+    @property
+    def is_auto(self) -> bool:
+        """The ``auto`` method, before it is expanded into the plan's candidates."""
+        return self.spec.engine == "fastdecode" and self.spec.decoder == AUTO
 
 
 def _positive(job: SpeedJob) -> None:
     for key in ("n_prompts", "max_new_tokens", "repeats", "max_prompt_tokens"):
-        if getattr(job, key) < 1:
+        if getattr(job, key) is not None and getattr(job, key) < 1:
             raise ConfigError(f"{key}={getattr(job, key)}: must be >= 1.")
     if job.warmup < 0:
         raise ConfigError(f"warmup={job.warmup}: must be >= 0.")
@@ -168,71 +182,6 @@ def target_model_config(job: SpeedJob) -> ModelConfig:
     return checkpoint_model(job.model, job.checkpoint)  # files checked, a contradicting model= refused
 
 
-def recorded_acceptance(checkpoint: str | None) -> dict[int, float] | None:
-    """Per-exit greedy draft acceptance recorded with a checkpoint: the LayerSkip recipe's
-    ``exit_report.json`` (agreement of each exit with the final layer on the model's own generations, after
-    training), in the checkpoint directory or the run directory above it. None when there is none."""
-    if not checkpoint:
-        return None
-    for path in (Path(checkpoint) / "exit_report.json", Path(checkpoint).parent / "exit_report.json"):
-        if path.is_file():
-            report = json.loads(path.read_text())
-            report = report.get("after", report)
-            agreement = report.get("generations", {}).get("agreement")
-            if agreement:
-                return {int(k): float(v) for k, v in agreement.items()}
-    return None
-
-
-def head_cost_from_config(checkpoint: str) -> tuple[int, float] | None:
-    """(layers, LM head weights / one block's) from a checkpoint's ``config.json`` (no weights loaded), for
-    Llama-style and OPT layouts; None when the geometry is not there."""
-    path = Path(checkpoint) / "config.json"
-    if not path.is_file():
-        return None
-    cfg = json.loads(path.read_text())
-    try:
-        hidden, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-        heads = cfg["num_attention_heads"]
-        inner = cfg.get("intermediate_size") or cfg["ffn_dim"]
-    except KeyError:
-        return None
-    head_dim = cfg.get("head_dim") or hidden // heads
-    kv = (cfg.get("num_key_value_heads") or heads) * head_dim
-    gated = cfg.get("model_type") != "opt"
-    block = 2 * hidden * heads * head_dim + 2 * hidden * kv + (3 if gated else 2) * hidden * inner
-    return layers, vocab * cfg.get("word_embed_proj_dim", hidden) / block
-
-
-def resolve_draft_tokens(options: dict, exit_layer: int | None, checkpoint: str | None) -> str | None:
-    """``draft_tokens: auto``: the draft length K the cost model picks from the acceptance at E recorded with
-    the checkpoint (``policy: constant``), or, when none is recorded or no K is expected to pay, the adaptive
-    policy with K <= ``AUTO_DRAFT_CAP``. Rewrites ``options``; returns how K was chosen (None: not auto)."""
-    if options.get("draft_tokens") != "auto":
-        return None
-    from fastdecode.exit_report import choose_exit
-
-    acceptance = recorded_acceptance(checkpoint)
-    geometry = head_cost_from_config(checkpoint) if checkpoint else None
-    alpha = acceptance.get(exit_layer) if acceptance and exit_layer is not None else None
-    if alpha is not None and geometry is not None:
-        layers, head_cost = geometry
-        choice = choose_exit(
-            {exit_layer: alpha}, layers, AUTO_DRAFT_CAP, min_speedup=1.0, head_cost=head_cost
-        )
-        if choice["exit"] is not None:
-            options.update(policy="constant", draft_tokens=int(choice["draft"]))
-            return (
-                f"cost model: recorded acceptance {alpha:.2f} at E={exit_layer} -> K={choice['draft']} "
-                f"(expected {choice['expected_speedup']:.2f}x)"
-            )
-        reason = f"recorded acceptance {alpha:.2f} at E={exit_layer}: no constant K is expected to pay"
-    else:
-        reason = "no acceptance recorded for this exit"
-    options.update(policy="adaptive", draft_tokens=AUTO_DRAFT_CAP)
-    return f"adaptive, K <= {AUTO_DRAFT_CAP} ({reason})"
-
-
 def resolve_adapter_path(job: SpeedJob) -> str | None:
     """The exit adapter for ``uses_adapter`` methods: ``adapter``, else ``checkpoint/exit_adapter`` if there."""
     if job.adapter:
@@ -250,7 +199,6 @@ def _method(
     node: Any,
     exit_layer: int | None,
     draft: bool,
-    checkpoint: str | None = None,
     adapter: str | None = None,
 ) -> Method:
     spec = to_dataclass(MethodConfig, node, f"decoder.{name}")
@@ -273,7 +221,6 @@ def _method(
                 "fastdecode.json; a checkpoint of another recipe has none)."
             )
         options[exit_key] = exit_layer
-    draft_source = resolve_draft_tokens(options, options.get(exit_key), checkpoint)
     if spec.uses_draft and not draft:
         raise ConfigError(
             f"method '{name}' needs a draft model: pass draft_model=NAME (a configs/model option) or a path."
@@ -291,16 +238,27 @@ def _method(
 
         used_exit = used_exit or read_meta(options["adapter"])["exit_layer"]  # a missing adapter fails here
     check_options(name, spec, options)
-    return Method(name, spec, options, used_exit, draft_source=draft_source)
+    return Method(name, spec, options, used_exit)
 
 
 def check_options(name: str, spec: MethodConfig, options: dict) -> None:
-    """Unknown decoders and option keys fail here, before any model loads."""
+    """Unknown decoders and option keys fail here, before any model loads (``draft_tokens: auto`` is checked
+    as an int K; the ``auto`` method's options as the ``DecodeConfig`` fields every candidate shares)."""
     if spec.engine == "fastdecode":
         from fastdecode.decoding import DecodeConfig, get_decoder
 
-        get_decoder(spec.decoder or name)
-        to_dataclass(DecodeConfig, {"max_new_tokens": 1} | options, f"decoder.{name}.options")
+        if spec.decoder == AUTO:
+            owned = sorted(set(options) & set(PLAN_OWNED))
+            if owned:
+                raise ConfigError(
+                    f"decoder.{name}.options sets {', '.join(owned)}: the plan chooses these per candidate "
+                    "(fastdecode.choose.plan_decoding); select the method itself (e.g. decoder=[...,"
+                    "self_speculative_chain]) to fix them."
+                )
+        else:
+            get_decoder(spec.decoder or name)
+        checked = options | ({"draft_tokens": AUTO_DRAFT_CAP} if options.get("draft_tokens") == AUTO else {})
+        to_dataclass(DecodeConfig, {"max_new_tokens": 1} | checked, f"decoder.{name}.options")
         return
     from transformers import GenerationConfig
 
@@ -358,13 +316,10 @@ def plan(cfg: Any) -> tuple[SpeedJob, list[Method], str]:
     adapter = resolve_adapter_path(job)
     if job.mode == "sweep":
         selected = [n for n in job.decoder if n in (job.baseline, job.hf_baseline)]
-        methods = [_method(n, job.decoder[n], exit_layer, draft, job.checkpoint, adapter) for n in selected]
+        methods = [_method(n, job.decoder[n], exit_layer, draft, adapter) for n in selected]
         methods = _sweep_methods(job, methods, draft)
     else:
-        methods = [
-            _method(name, node, exit_layer, draft, job.checkpoint, adapter)
-            for name, node in job.decoder.items()
-        ]
+        methods = [_method(name, node, exit_layer, draft, adapter) for name, node in job.decoder.items()]
     names = [m.name for m in methods]
     for key in ("baseline", "hf_baseline"):
         value = getattr(job, key)
@@ -373,4 +328,23 @@ def plan(cfg: Any) -> tuple[SpeedJob, list[Method], str]:
                 f"{key}={value} is not among the methods ({', '.join(names)}): add it to decoder=[...] or set "
                 f"{key}=null (speedups and token matches against it are then not reported)."
             )
+    check_auto_records(job, methods, adapter)
     return job, methods, source
+
+
+def check_auto_records(job: SpeedJob, methods: list[Method], adapter: str | None) -> None:
+    """What the ``auto`` method and ``draft_tokens: auto`` will read once the model loads, read now: the
+    checkpoint's ``exit_report.json`` and the adapter's records (a damaged one fails before any load)."""
+    auto_k = any(m.options.get("draft_tokens") == AUTO for m in methods)
+    if not auto_k and not any(m.is_auto for m in methods):
+        return
+    try:
+        recorded_acceptance(job.checkpoint)
+    except (ValueError, AttributeError) as err:
+        raise ConfigError(
+            f"checkpoint={job.checkpoint}: its exit_report.json is unreadable ({err})."
+        ) from err
+    if adapter is not None and any(m.is_auto for m in methods):
+        from fastdecode.choose import recorded_adapter
+
+        recorded_adapter(adapter)  # AdapterError (a ConfigError) names what is missing

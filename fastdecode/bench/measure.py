@@ -1,5 +1,8 @@
 """The measurement loop: warm-up, then every method on every batch, interleaved, timed with the device synced.
 
+Before anything runs, one line says what will (``plan_line``: methods x prompts x repeats = timed calls, plus
+the warm-up calls), printed and logged; the progress bar over the timed calls shows the rate and the ETA.
+
 Order: repeat -> (temperature, batch size) -> batch -> method. The method order is rotated by one per batch, so
 each method runs first, second, ... equally often. A method whose ``max_batch_size`` is below a batch size is
 skipped there, and a greedy-only method at temperatures > 0, with the reason recorded.
@@ -12,8 +15,10 @@ memory: ``torch.cuda.max_memory_allocated`` reset before each call on a GPU; on 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +27,7 @@ from fastdecode.bench.engines import count_layers
 from fastdecode.bench.stats import Record
 
 Prompt = tuple[str, list[int]]
+log = logging.getLogger(__name__)
 
 
 def sync(device: torch.device) -> None:
@@ -129,6 +135,58 @@ def run_batch(
     return records
 
 
+@dataclass
+class Setting:
+    """One (temperature, batch size) of the job: the methods that run there and the batches of prompts."""
+
+    temperature: float
+    size: int
+    active: list[Method]
+    groups: list[list[Prompt]]
+
+
+def schedule(job: SpeedJob, methods: list[Method], prompts: list[Prompt]) -> tuple[list[Setting], list[dict]]:
+    """Every (temperature, batch size) with its runnable methods and batches, and the skip entries."""
+    settings, skipped = [], []
+    for temperature, size in itertools.product(job.temperatures, job.batch_sizes):
+        active, skip = runnable(methods, size, temperature)
+        skipped += skip
+        settings.append(Setting(temperature, size, active, batches(prompts, size)))
+    return settings, skipped
+
+
+def call_counts(job: SpeedJob, settings: list[Setting]) -> tuple[int, int]:
+    """``(timed calls, untimed warm-up calls)``: a call is one method on one batch; TTFT calls not included;
+    warm-ups are ``warmup`` per method and setting (doubled with TTFT) plus two layer-counting calls per HF
+    method (``count_hf_layers``)."""
+    timed_calls = job.repeats * sum(len(s.active) * len(s.groups) for s in settings)
+    per_method = job.warmup * (2 if job.ttft else 1)
+    warm = sum(
+        per_method + (2 if job.count_hf_layers and m.spec.engine == "hf" else 0)
+        for s in settings
+        for m in s.active
+    )
+    return timed_calls, warm
+
+
+def plan_line(job: SpeedJob, methods: list[Method], prompts: list[Prompt], settings: list[Setting]) -> str:
+    """The one line said before measuring: ``<M> methods x <P> prompts x <R> repeats = <C> timed calls (+ <W>
+    warm-up calls)``, with what changes the product (several settings, batches, skips, TTFT)."""
+    timed_calls, warm = call_counts(job, settings)
+    head = f"{len(methods)} methods x {len(prompts)} prompts x {job.repeats} repeats"
+    if len(settings) > 1:
+        head += f" x {len(settings)} (temperature, batch size) settings"
+    notes = []
+    if any(s.size > 1 for s in settings):
+        notes.append("a batch of prompts is one call")
+    if any(len(s.active) < len(methods) for s in settings):
+        notes.append("skipped methods not counted")
+    if job.ttft:
+        notes.append("each timed call after a timed max_new_tokens=1 call (TTFT)")
+    suffix = f"; {', '.join(notes)}" if notes else ""
+    return f"{head} = {timed_calls} timed calls (+ {warm} warm-up calls){suffix}"
+
+
 def measure(
     job: SpeedJob,
     methods: list[Method],
@@ -136,21 +194,24 @@ def measure(
     prompts: list[Prompt],
     device: torch.device,
 ) -> tuple[list[Record], list[dict], dict]:
-    """Run the benchmark; returns ``(records, skipped, HF layer counts keyed by (method, temperature, size))``."""
+    """Say what will run (``plan_line``: printed and logged), warm up, then run the benchmark; returns
+    ``(records, skipped, HF layer counts keyed by (method, temperature, size))``."""
     from tqdm.auto import tqdm
 
-    plans, skipped, hf_layers = [], [], {}
-    for temperature, size in itertools.product(job.temperatures, job.batch_sizes):
-        active, skip = runnable(methods, size, temperature)
-        skipped += skip
-        groups = batches(prompts, size)
-        plans.append((temperature, size, active, groups))
-        hf_layers |= warm_up(job, active, runners, [p for _, p in groups[0]], temperature, size)
-    total = job.repeats * sum(len(a) * len(g) for _, _, a, g in plans)
+    settings, skipped = schedule(job, methods, prompts)
+    line = plan_line(job, methods, prompts, settings)
+    log.info(line)
+    print(line, flush=True)
+    hf_layers: dict = {}
+    for s in settings:
+        hf_layers |= warm_up(job, s.active, runners, [p for _, p in s.groups[0]], s.temperature, s.size)
+    total, _ = call_counts(job, settings)
     records: list[Record] = []
-    with tqdm(total=total, desc="speed", disable=not job.progress, unit="call") as bar:
-        for repeat, (temperature, size, active, groups) in itertools.product(range(job.repeats), plans):
-            for index, group in enumerate(groups):
-                records += run_batch(job, active, runners, group, (repeat, temperature, size, index), device)
-                bar.update(len(active))
+    desc = f"speed: {len(methods)} methods x {len(prompts)} prompts"
+    with tqdm(total=total, desc=desc, disable=not job.progress, unit="call") as bar:
+        for repeat, s in itertools.product(range(job.repeats), settings):
+            for index, group in enumerate(s.groups):
+                where = (repeat, s.temperature, s.size, index)
+                records += run_batch(job, s.active, runners, group, where, device)
+                bar.update(len(s.active))
     return records, skipped, hf_layers

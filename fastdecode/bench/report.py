@@ -2,7 +2,11 @@
 
 Files in ``output_dir`` (each written atomically): ``speed.json`` (everything, one ``json.dumps``; undefined
 values are null, never NaN), ``summary.csv``, ``records.csv``, ``speed.md``, ``speedup.png``, and when there is
-data for them ``accept_hist.png``, ``oracle.png``, ``sweep.png`` (exit layer x draft length heatmap).
+data for them ``category_summary.csv`` (prompt sets with categories: MT-bench), ``accept_hist.png``,
+``oracle.png``, ``sweep.png`` (exit layer x draft length heatmap).
+
+``speed.md``: the summary table (the best measured candidate of the ``auto`` method marked), one line on what
+``auto`` planned, picked and found not expected to pay, the speedup per category, skips, the oracle report.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 import torch
 
+from fastdecode.bench.categories import category_table
 from fastdecode.bench.plots import plot_all
 from fastdecode.io import atomic_write_text
 
@@ -126,6 +131,40 @@ def _fmt(value: Any, spec: str | None) -> str:
     return spec.format(value) if spec else str(value)
 
 
+def _expected(candidate: dict) -> str:
+    value = candidate.get("expected_speedup")
+    return f"expected {value:.2f}x" if value is not None else "text-dependent"
+
+
+def auto_line(result: dict) -> str | None:
+    """One line: the ``auto`` method's plan (expected speedups), the best measured candidate per temperature
+    and batch size, and the drafters not expected to pay (``Plan.not_paying``); None without ``auto``."""
+    plan = result.get("plan")
+    if not plan:
+        return None
+    planned = ", ".join(f"{c['name']} ({_expected(c)})" for c in plan["candidates"])
+    best = [
+        f"{row['method']} at T={row['temperature']}, batch {row['batch_size']} "
+        f"({_fmt(row.get('speedup_vs_baseline'), '{:.2f}x')} vs baseline)"
+        for row in result["summary"]
+        if row.get("auto_best")
+    ]
+    skipped = []
+    for item in plan["not_paying"]:
+        detail = item.get("reason")
+        if detail is None:
+            detail = f"acceptance {item['acceptance']:.2f}, expected {item['expected_speedup']:.2f}x"
+        skipped.append(f"{item['drafter']} at E={item['exit']} ({detail})")
+    return (
+        f"auto planned {planned}; measured best: {'; '.join(best) or '-'}; not expected to pay: "
+        f"{', '.join(skipped) or 'none considered'}."
+    )
+
+
+def _method_cell(row: dict) -> str:
+    return f"{row['method']} (auto best)" if row.get("auto_best") else row["method"]
+
+
 def to_markdown(result: dict) -> str:
     """The summary table, the skipped methods and the oracle report as Markdown."""
     meta, hw = result["meta"], result["meta"]["hardware"]
@@ -142,7 +181,12 @@ def to_markdown(result: dict) -> str:
         "| " + " | ".join("---" for _ in MD_COLUMNS) + " |",
     ]
     for row in result["summary"]:
-        lines.append("| " + " | ".join(_fmt(row.get(key), spec) for _, key, spec in MD_COLUMNS) + " |")
+        cells = [_fmt(row.get(key), spec) for _, key, spec in MD_COLUMNS[1:]]
+        lines.append("| " + " | ".join([_method_cell(row), *cells]) + " |")
+    if (line := auto_line(result)) is not None:
+        lines += ["", line]
+    if result.get("category_summary"):
+        lines += category_table(result["category_summary"])
     for skip in result["skipped"]:
         where = f"batch size {skip['batch_size']}, T={skip['temperature']}"
         lines.append(f"\nSkipped {skip['method']} at {where}: {skip['reason']}.")
@@ -167,6 +211,8 @@ def write_report(result: dict, output_dir: str) -> Path:
     atomic_write_text(out / "speed.json", json.dumps(clean, indent=2, allow_nan=False) + "\n")
     atomic_write_text(out / "summary.csv", to_csv(clean["summary"]))
     atomic_write_text(out / "records.csv", to_csv(clean["records"]))
+    if clean.get("category_summary"):
+        atomic_write_text(out / "category_summary.csv", to_csv(clean["category_summary"]))
     atomic_write_text(out / "speed.md", to_markdown(clean))
     plot_all(clean, out)
     return out / "speed.json"

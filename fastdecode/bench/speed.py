@@ -1,4 +1,5 @@
-"""The speed benchmark: check, read prompts, load, warm up, measure every method interleaved, summarise, write.
+"""The speed benchmark: check, read prompts, load, resolve what needs the model (``draft_tokens: auto``, the
+``auto`` method: ``auto.py``), say what will run, warm up, measure every method interleaved, summarise, write.
 
 All methods run in one process on the same prompts. Per repeat, temperature and batch size, each batch is run
 by every method in turn (round-robin, the order rotated per batch so that no method always goes first), so
@@ -6,6 +7,10 @@ machine drift hits every method alike. Each call is timed with the device synchr
 reads. TTFT is the time of the same call with ``max_new_tokens=1`` (prefill + first token; our decoders do
 not expose the prefill separately), timed right before the full call. Warm-up calls (``warmup`` per method,
 on the first batch) are not recorded.
+
+Prompts: the first ``n_prompts`` records that fit (``n_prompts=null``: all of them), taken round-robin across
+categories on sets that have them (MT-bench: ``categories.py``), whose per-category rows and table the result
+then carries too.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from fastdecode.bench.auto import AUTO_PREFIX, resolve_after_load
+from fastdecode.bench.categories import category_summary, prompt_categories, round_robin
 from fastdecode.bench.config import (
     Method,
     SpeedJob,
@@ -33,20 +40,21 @@ log = logging.getLogger(__name__)
 
 def read_prompt_records(job: SpeedJob) -> list[dict]:
     """The prompt records (``prompt_split=auto``): the data config's ``eval_split`` when it names one, else
-    benchmarks whole and training sets held-out only."""
+    benchmarks whole and training sets held-out only; round-robin across categories when they have one and
+    ``n_prompts`` takes fewer than all (``categories.round_robin``)."""
     split = job.prompt_split
     if split == "auto":
         split = job.data.eval_split or ("all" if job.data.eval_only else "held_out")
     records = load_records(job.data, split)
     if not records:
         raise ConfigError(f"data '{job.data.name}' has no records in split '{split}'.")
-    return records
+    return round_robin(records, job.n_prompts)
 
 
 def tokenize_prompts(
     job: SpeedJob, records: list[dict], tokenizer, context: int
 ) -> list[tuple[str, list[int]]]:
-    """``(id, token ids)`` of the first ``n_prompts`` records that fit: the conversation up to its first user
+    """``(id, token ids)`` of the first ``n_prompts`` records that fit (all with ``n_prompts`` None): the conversation up to its first user
     turn, through the chat template with the generation prompt (chat models), else the plain text with BOS."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if job.chat_template == "always" and not has_template:
@@ -68,18 +76,21 @@ def tokenize_prompts(
             too_long += 1
             continue
         prompts.append((str(rec["id"]), list(ids)))
-        if len(prompts) == job.n_prompts:
+        if job.n_prompts is not None and len(prompts) == job.n_prompts:
             break
     if not prompts:
         raise ConfigError(f"no prompt fits in {limit} tokens (max_prompt_tokens, context - max_new_tokens).")
-    if len(prompts) < job.n_prompts:
+    if job.n_prompts is not None and len(prompts) < job.n_prompts:
         log.warning("only %d prompts (asked for %d; %d too long)", len(prompts), job.n_prompts, too_long)
     return prompts
 
 
-def build_runners(job: SpeedJob, methods: list[Method], model, tokenizer, draft) -> dict[str, Any]:
-    """One runner per method, checked against the loaded model before any decoding."""
-    m, eos = EarlyExitModel(model), eos_ids(model, tokenizer)
+def build_runners(
+    job: SpeedJob, methods: list[Method], m: EarlyExitModel, tokenizer, draft
+) -> dict[str, Any]:
+    """One runner per method, checked against the loaded model ``m`` before any decoding."""
+    model = m.hf
+    eos = eos_ids(model, tokenizer)
     draft_m = EarlyExitModel(draft) if draft is not None else None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
     runners = {}
@@ -96,7 +107,9 @@ def build_runners(job: SpeedJob, methods: list[Method], model, tokenizer, draft)
 
 
 def annotate(summary: list[dict], methods: list[Method], runners: dict, hf_layers: dict) -> None:
-    """Add to each summary row its exit layer, sweep grid point, and the layer counts of HF methods."""
+    """Add to each summary row its exit layer, sweep grid point, the layer counts of HF methods, and for the
+    ``auto`` method's candidates the speedup the plan expected and ``auto_best`` (the best measured candidate
+    per temperature and batch size; None on other methods)."""
     by_name = {m.name: m for m in methods}
     for row in summary:
         method = by_name[row["method"]]
@@ -108,39 +121,77 @@ def annotate(summary: list[dict], methods: list[Method], runners: dict, hf_layer
             row["counted_by"] = (
                 "layer hooks, first batch, untimed (an assistant's own prompt prefill included)"
             )
+        row["expected_speedup"] = (method.candidate or {}).get("expected_speedup")
+        row["auto_best"] = None
+    for temperature, size in dict.fromkeys((r["temperature"], r["batch_size"]) for r in summary):
+        auto = [
+            r
+            for r in summary
+            if r["method"].startswith(AUTO_PREFIX)
+            and (r["temperature"], r["batch_size"]) == (temperature, size)
+        ]
+        best = max(auto, key=lambda r: r["tokens_per_s"] or 0.0, default=None)
+        for row in auto:
+            row["auto_best"] = row is best
 
 
-def run(cfg: Any) -> dict:
-    """The whole benchmark for one model and prompt set; returns the result written to ``output_dir``."""
-    from fastdecode.bench.measure import measure
-    from fastdecode.bench.report import environment, write_report
+def load_and_resolve(job: SpeedJob, methods: list[Method]):
+    """Load the target (and the draft model when a method uses one), then resolve what needs the loaded model
+    (``auto.resolve_after_load``). Returns ``(m, tokenizer, draft, Resolved)``."""
     from fastdecode.loading import load_model, model_config
 
-    job, methods, exit_source = plan(cfg)
-    records = read_prompt_records(job)  # a missing data file fails before any model loads
     target = target_model_config(job)
     check_exit_layers(methods, model_config(target).num_hidden_layers)  # config.json, not the weights
     model, tokenizer = load_model(target)
     draft = None
     if any(m.spec.uses_draft for m in methods):
         draft = load_model(draft_model_config(job))[0]
-    runners = build_runners(job, methods, model, tokenizer, draft)
-    prompts = tokenize_prompts(job, records, tokenizer, model.config.max_position_embeddings)
+    m = EarlyExitModel(model)
+    resolved = resolve_after_load(job, methods, m)
+    check_exit_layers(resolved.methods, m.num_layers)
+    return m, tokenizer, draft, resolved
+
+
+def run(cfg: Any) -> dict:
+    """The whole benchmark for one model and prompt set; returns the result written to ``output_dir``."""
+    from fastdecode.bench.measure import measure
+    from fastdecode.bench.report import environment, write_report
+
+    job, methods, exit_source = plan(cfg)
+    records = read_prompt_records(job)  # a missing data file fails before any model loads
+    m, tokenizer, draft, resolved = load_and_resolve(job, methods)
+    methods = resolved.methods
+    runners = build_runners(job, methods, m, tokenizer, draft)
+    prompts = tokenize_prompts(job, records, tokenizer, m.config.max_position_embeddings)
     for runner in runners.values():
         runner.check([ids for _, ids in prompts])
-    timed_records, skipped, hf_layers = measure(job, methods, runners, prompts, model.device)
+    categories = prompt_categories(records, [pid for pid, _ in prompts])
+    timed_records, skipped, hf_layers = measure(job, methods, runners, prompts, m.device)
+    for record in timed_records:
+        record.categories = [categories.get(pid) for pid in record.prompt_ids] if categories else None
     attach_matches(timed_records, job.baseline)
     summary = summarise(timed_records, job.baseline, job.hf_baseline)
     annotate(summary, methods, runners, hf_layers)
+    meta = environment(job, m.hf, exit_source)
+    meta["costs"] = resolved.costs.to_json() if resolved.costs is not None else None
     result = {
-        "meta": environment(job, model, exit_source),
+        "meta": meta,
         "methods": {
-            m.name: {"engine": m.spec.engine, "options": m.options, "draft_source": m.draft_source}
-            for m in methods
+            x.name: {
+                "engine": x.spec.engine,
+                "decoder": x.spec.decoder,
+                "options": x.options,
+                "draft_source": x.draft_source,
+                "candidate": x.candidate,
+            }
+            for x in methods
         },
+        "plan": resolved.plan.to_json() if resolved.plan is not None else None,
         "prompts": [pid for pid, _ in prompts],
+        "categories": categories,
         "skipped": skipped,
         "summary": summary,
+        "category_summary": category_summary(timed_records, job.baseline, job.hf_baseline),
         "oracle": oracle_report(timed_records),
         "records": [r.to_json() for r in timed_records],
     }

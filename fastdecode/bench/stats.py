@@ -6,6 +6,12 @@ deviation of the per-repeat values. Speedups are ratios against the baselines me
 prompts, at the same temperature and batch size. ``accept_lengths`` are tokens per verification (accepted drafts
 + the verifier's own token); ``tokens_per_step`` is new tokens / decode steps (the prefill's token included,
 as in ``DecodeOutput``: tokens per forward for Jacobi decoding).
+
+Drafts are ragged: ``DecodeOutput.drafted`` holds one drafted length per verification and row (an n-gram
+proposer drafts nothing for a row whose text has no match, and another length per row). The acceptance rate is
+accepted / drafted over those per-row lengths, and position i's acceptance counts only the rows that drafted
+position i. ``by_proposer`` splits a chain's acceptance by the proposer that drafted (``prompt_lookup``, the
+exit, ...): accepted, drafted, the row rounds it drafted in.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class Record:
     peak_memory_mb: float | None
     counters: bool  # the method reports steps / acceptance / layers (our decoders)
     match: list[tuple[int, int, int | None]] = field(default_factory=list)  # per row, vs the baseline
+    categories: list[str | None] | None = None  # per row, the prompt's category (sets that have them)
 
     @property
     def key(self) -> tuple:
@@ -52,6 +59,7 @@ class Record:
             "batch_size": self.batch_size,
             "batch": self.batch,
             "prompt_ids": self.prompt_ids,
+            "categories": self.categories,
             "new_tokens": out.num_tokens,
             "tokens_per_row": rows,
             "wall_time_s": self.wall_time_s,
@@ -123,6 +131,10 @@ def _acceptance(records: list[Record]) -> dict:
             pos_dr[i] += d
     tokens = sum(o.num_tokens for o in outs)
     longest = sum(max(len(row) for row in o.tokens) for o in outs)
+    proposers: dict[str, list[int]] = {}
+    for o in outs:
+        for name, tally in o.by_proposer.items():
+            proposers[name] = [a + b for a, b in zip(proposers.get(name, [0, 0, 0]), tally, strict=True)]
     return {
         "acceptance_rate": sum(accepted) / drafted if drafted else None,
         "mean_accepted_length": statistics.fmean(a + 1 for a in accepted) if accepted else None,
@@ -132,6 +144,11 @@ def _acceptance(records: list[Record]) -> dict:
         "tokens_per_step": tokens / steps if (steps := sum(o.steps for o in outs)) else None,
         "layers_per_token": sum(o.layers_run for o in outs) / tokens if outs and tokens else None,
         "layer_calls_per_token": sum(o.layer_calls for o in outs) / longest if outs and longest else None,
+        "by_proposer": {
+            name: {"accepted": a, "drafted": d, "rounds": n, "acceptance_rate": a / d if d else None}
+            for name, (a, d, n) in proposers.items()
+        }
+        or None,
     }
 
 
@@ -188,8 +205,9 @@ def oracle_report(records: list[Record]) -> dict[str, dict]:
     greedy = [r for r in records if r.temperature == 0 and r.counters]
     for method in dict.fromkeys(r.method for r in greedy):
         outs = [r.out for r in greedy if r.method == method]
-        # Rounds that drafted nothing (the budget's last token) say nothing about the best draft length.
-        pairs = [(v, d) for o in outs for v, d in zip(o.oracle, o.drafted, strict=False) if d > 0]
+        # Per row and verification; a row that drafted nothing (the budget's last token, an n-gram proposer
+        # without a match) says nothing about the best draft length.
+        pairs = [(v, d) for o in outs for v, d in zip(o.oracle, o.drafted, strict=True) if d > 0]
         if not pairs:
             continue
         values = [v for v, _ in pairs]
