@@ -10,6 +10,10 @@
 #   - autoregressive decoding: our decoder on the HF modules (eager), on the lean layers, on the static cache,
 #     compiled (torch.compile mode="reduce-overhead": CUDA graphs over the static cache), against HF
 #     `generate`, with the first compiled call (compile time) reported apart, and the streaming roofline.
+# Then, on the large shape, the proposers (issue 19): the cost model measured on the GPU (speed.json meta.costs:
+# verification cost per number of new tokens, the number every drafting choice reads) and prompt lookup,
+# lookahead and `auto` against autoregressive decoding and HF generate, on prompts written here (random weights:
+# acceptance means nothing, the cost of verifying T tokens and the loop's overhead do).
 # Each model runs in its own process under a time limit, so one slow compile cannot eat the other's budget.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,9 +22,10 @@ mkdir -p "$OUT_DIR"
 
 if [[ "${GPU_CHECK_DRY:-0}" == "1" ]]; then
   DEVICE=cpu; DTYPE=float32; SMALL=tiny-llama; LARGE=tiny-llama; EXIT=2; CONTEXT=40; NEW=8; LIMIT_S=600; LIMIT_L=600
+  LIMIT_P=600
 else
   DEVICE=cuda; DTYPE=bfloat16; SMALL=random-smollm2-135m; LARGE=random-llama2-7b; EXIT=8; CONTEXT=300; NEW=64
-  LIMIT_S=170; LIMIT_L=260
+  LIMIT_S=170; LIMIT_L=200; LIMIT_P=120
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
   python -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'" || exit 1
 fi
@@ -43,4 +48,17 @@ for spec in "$SMALL:$LIMIT_S" "$LARGE:$LIMIT_L"; do
   echo "   exit $rc after $(( $(date +%s) - start ))s; log $OUT_DIR/$model.log"
   [[ $rc -eq 0 ]] && cat "$OUT_DIR/$model/engine.md" || { tail -20 "$OUT_DIR/$model.log"; status=1; }
 done
+echo "== proposers on $LARGE (limit ${LIMIT_P}s)"
+prompts="$OUT_DIR/prompts.jsonl"
+for i in 1 2 3 4; do
+  echo "{\"prompt\": \"Rewrite this paragraph in plain words: the quick brown fox $i jumps over the lazy dog while the farmer watches from the porch and the cat sleeps in the warm sun.\", \"response\": \"ok\"}"
+done > "$prompts"
+start=$(date +%s)
+timeout "$LIMIT_P" python eval/speed.py "model=$LARGE" "model.device=$DEVICE" "model.dtype=$DTYPE" data=jsonl \
+  "data.path=$prompts" data.held_out=0 prompt_split=all n_prompts=4 "max_new_tokens=$NEW" repeats=1 \
+  'decoder=[autoregressive,auto,prompt_lookup,lookahead,hf_generate]' "output_dir=$OUT_DIR/proposers-$LARGE" \
+  > "$OUT_DIR/proposers-$LARGE.log" 2>&1
+rc=$?
+echo "   exit $rc after $(( $(date +%s) - start ))s; log $OUT_DIR/proposers-$LARGE.log"
+[[ $rc -eq 0 ]] && cat "$OUT_DIR/proposers-$LARGE/speed.md" || { tail -20 "$OUT_DIR/proposers-$LARGE.log"; status=1; }
 exit $status

@@ -168,3 +168,19 @@ def test_every_model_generates_by_default():
 def test_from_pretrained_names_what_it_cannot_load():
     with pytest.raises(ConfigError, match="neither a model directory, a hub id.*tiny-llama"):
         fastdecode.from_pretrained("no-such-model")
+
+
+@pytest.mark.slow
+def test_the_embedded_default_generates_by_default_with_prompt_lookup():
+    """The real SmolLM2-135M records no exit: the default decodes with prompt lookup, which drafts from the
+    text a rewrite request gives, and the text is the autoregressive one."""
+    fd = fastdecode.from_pretrained("smollm2-135m", device="cpu", dtype="float32")
+    assert fd.generate("hello", max_new_tokens=8).method == "prompt_lookup"
+    prompt = (
+        "Fix the spelling in this sentence and return it: The quick brwon fox jumsp over the lazy dog "
+        "while the farmer watchs from the porch."
+    )
+    fast = fd.generate(prompt, max_new_tokens=40)
+    plain = fd.generate(prompt, max_new_tokens=40, method="autoregressive")
+    assert fast.text == plain.text and fast.output.by_proposer["prompt_lookup"][0] > 0
+    print(f"\n{fast.text!r}: acceptance {fast.acceptance:.2f}, plan {fd.plan().to_json()}")
