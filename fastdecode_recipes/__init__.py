@@ -1,7 +1,11 @@
-"""Training recipes: each turns a composed job config into a trained, saved checkpoint.
+"""The recipe sequence every training method shares, and the registry of recipes.
 
-A recipe is a module with ``run(job: TrainJob) -> dict`` (a summary of what it did). Register it in
-``RECIPES`` and add ``configs/recipe/<name>.yaml``; see docs/ARCHITECTURE.md.
+A recipe is a module with ``run(job: TrainJob, cfg) -> dict`` (a summary of what it did): ``sft`` here, every
+other one the ``recipe`` module of its method package (``layerskip_train/recipe.py``, ...), which imports
+this package, never the other way round. ``RECIPES`` names each recipe's module as a dotted string, imported
+by name only when a run asks for that recipe: the one way up from here, and the only place in this package
+that names a method package (``tests/test_architecture.py``). A new recipe: its module, one line here and
+``configs/recipe/<name>.yaml``; see docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -9,12 +13,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# recipe name (``recipe=NAME``) -> the dotted name of the module with its ``run``
 RECIPES: dict[str, str] = {
     "sft": "fastdecode_recipes.sft",
-    "layerskip": "fastdecode_recipes.layerskip",
-    "skipdecode": "fastdecode_recipes.skipdecode",
-    "cllm": "fastdecode_recipes.cllm",
-    "exit_adapter": "fastdecode_recipes.exit_adapter",
+    "layerskip": "layerskip_train.recipe",
+    "skipdecode": "skipdecode_train.recipe",
+    "cllm": "cllm_train.recipe",
+    "exit_adapter": "adapter_train.recipe",
 }
 
 

@@ -1,12 +1,17 @@
 """Layering rules of docs/ARCHITECTURE.md, checked on the source: imports only point down.
 
-Between packages: the table of docs/ARCHITECTURE.md (``FORBIDDEN``). Inside ``fastdecode``: ``RULES``, each
-one a bullet of the document's "Rules inside fastdecode" list, word for word, so the two cannot drift apart.
+Between packages: the table of docs/ARCHITECTURE.md (``FORBIDDEN``): entry points -> method packages (a
+method's training code and its recipe hooks) -> ``fastdecode_recipes`` (the one recipe sequence) ->
+``fastdecode.training`` -> ``fastdecode``. A method package never imports another. The one way from
+``fastdecode_recipes`` up to a method package is the recipe registry ``fastdecode_recipes.RECIPES``: dotted
+module names (strings, not imports) that ``fastdecode_recipes.run`` imports by name when a run asks for
+that recipe (``test_the_recipe_registry_is_the_only_way_up``). Inside ``fastdecode``: ``RULES``, each one a
+bullet of the document's "Rules inside fastdecode" list, word for word, so the two cannot drift apart.
 Imports are read from the syntax tree, function-local ones included. "Reaches" follows every import chain
 inside ``fastdecode``, package ``__init__`` files included (importing ``a.b.c`` runs ``a`` and ``a.b``).
-``fastdecode.training`` (training-only code shared by the training packages) sits between the training
-packages and the rest of ``fastdecode``: the training packages, the recipes and the entry points may import it,
-no other ``fastdecode`` module may.
+``fastdecode.training`` (training-only code shared by the method packages) sits between
+``fastdecode_recipes`` and the rest of ``fastdecode``: the method packages, the recipes and the entry points
+may import it, no other ``fastdecode`` module may.
 """
 
 from __future__ import annotations
@@ -21,14 +26,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
-TRAINING = {"layerskip_train", "cllm_train", "skipdecode_train", "adapter_train"}
+# The method packages: every top-level ``<method>_train/`` package (a new one is checked without an edit here).
+METHODS = {path.parent.name for path in ROOT.glob("*_train/__init__.py")}
 ENTRY = {"fastdecode_cli", "eval", "train", "collect_jacobi"}  # console scripts, eval/, the root scripts
 SHARED_TRAINING = "fastdecode.training"
+RECIPES = "fastdecode_recipes"
 FORBIDDEN = {
-    "fastdecode": TRAINING | {"fastdecode_recipes"} | ENTRY,
-    **{package: (TRAINING - {package}) | {"fastdecode_recipes"} | ENTRY for package in TRAINING},  # own only
-    "fastdecode_recipes": ENTRY,
+    "fastdecode": METHODS | {RECIPES} | ENTRY,
+    RECIPES: METHODS | ENTRY,  # below the method packages: RECIPES' dotted names aside (the registry)
+    **{package: (METHODS - {package}) | ENTRY for package in METHODS},  # never another method package
 }
+DYNAMIC_IMPORTS = {"import_module", "__import__", "spec_from_file_location"}  # imports by name
 LIBRARY = sorted(FORBIDDEN)  # the importable packages; entry points may import anything below them
 
 
@@ -185,6 +193,53 @@ def test_imports_only_point_down(package):
             assert top not in FORBIDDEN[package], f"{path.relative_to(ROOT)} imports {name}"
 
 
+def test_a_method_package_never_imports_another():
+    """Each method package holds one method's training side (config, losses, trainer, recipe hooks, report);
+    what two of them share goes down, into ``fastdecode_recipes``, ``fastdecode.training`` or ``fastdecode``."""
+    assert {"layerskip_train", "cllm_train", "skipdecode_train", "adapter_train"} <= METHODS
+    for package in sorted(METHODS):
+        for path in _sources(package):
+            bad = sorted(n for n in _imports(path) if n.split(".")[0] in METHODS - {package})
+            assert not bad, f"{path.relative_to(ROOT)} imports {bad}: a method package never imports another"
+
+
+def _dotted_strings(path: Path) -> set[str]:
+    """String constants of ``path`` that name a module of a method package (``layerskip_train.recipe``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    strings = (n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+    return {s for s in strings if re.fullmatch(r"\w+(\.\w+)+", s) and s.split(".")[0] in METHODS}
+
+
+def test_the_recipe_registry_is_the_only_way_up():
+    """``fastdecode_recipes.RECIPES`` maps a recipe name to the dotted name of its module (a method package's
+    ``recipe`` module, or ``fastdecode_recipes.sft``); ``run`` imports it by that name. No other module of
+    ``fastdecode_recipes`` imports by name or names a method package's module."""
+    import fastdecode_recipes
+
+    for name, module in fastdecode_recipes.RECIPES.items():
+        package, _, rest = module.partition(".")
+        assert package in METHODS | {RECIPES}, f"recipe {name}: {module} is in no method package"
+        assert package == RECIPES or rest == "recipe", f"recipe {name}: {module} is not {package}.recipe"
+        path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+        tree = ast.parse(path.read_text(), filename=str(path))
+        assert any(isinstance(n, ast.FunctionDef) and n.name == "run" for n in tree.body), f"{module}.run"
+    registry = ROOT / RECIPES / "__init__.py"
+    assert _dotted_strings(registry) == {
+        m for m in fastdecode_recipes.RECIPES.values() if not m.startswith(RECIPES)
+    }
+    for path in _sources(RECIPES):
+        if path == registry:
+            continue
+        calls = [
+            n.lineno
+            for n in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+            if isinstance(n, ast.Call)
+            and getattr(n.func, "attr", getattr(n.func, "id", "")) in DYNAMIC_IMPORTS
+        ]
+        assert not calls, f"{path.relative_to(ROOT)} line(s) {calls} import by name: only the registry may"
+        assert not _dotted_strings(path), f"{path.relative_to(ROOT)} names {_dotted_strings(path)}"
+
+
 def _imports_shared_training(name: str) -> bool:
     return name == SHARED_TRAINING or name.startswith(SHARED_TRAINING + ".")
 
@@ -200,8 +255,8 @@ def test_fastdecode_core_never_imports_the_training_layer():
 
 
 def test_the_training_layer_imports_only_fastdecode_core():
-    """``fastdecode.training`` is below the training packages: it imports none of them (nor anything above)."""
-    above = TRAINING | {"fastdecode_recipes"} | ENTRY
+    """``fastdecode.training`` is below the method packages: it imports none of them (nor anything above)."""
+    above = METHODS | {RECIPES} | ENTRY
     for path in (ROOT / "fastdecode" / "training").rglob("*.py"):
         bad = sorted(n for n in _imports(path) if n.split(".")[0] in above)
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"

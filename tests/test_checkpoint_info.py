@@ -180,16 +180,16 @@ def test_null_switches_exit_losses_and_dropout_off():
 
 
 def test_a_sparse_slice_that_leaves_steps_without_exit_loss_warns_once(caplog):
-    from fastdecode_recipes.layerskip import validate
     from layerskip_train.config import LayerSkipConfig
+    from layerskip_train.recipe import validate
 
     sparse = to_dataclass(LayerSkipConfig, {"early_exit_loss": {"layers": "1", "stride": 4}}, "recipe")
-    with caplog.at_level(logging.WARNING, logger="fastdecode_recipes.layerskip"):
+    with caplog.at_level(logging.WARNING, logger="layerskip_train.recipe"):
         validate(sparse, 4)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "3 of every 4 steps" in warnings[0].getMessage()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="fastdecode_recipes.layerskip"):
+    with caplog.at_level(logging.INFO, logger="layerskip_train.recipe"):
         validate(to_dataclass(LayerSkipConfig, {"early_exit_loss": {"stride": 2}}, "recipe"), 4)
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
     assert any("loss/exit_1, loss/exit_2, loss/exit_3, loss/exit_4" in r.getMessage() for r in caplog.records)

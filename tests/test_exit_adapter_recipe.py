@@ -88,9 +88,7 @@ def test_the_model_generates_its_own_training_data(tmp_path):
 
 
 def test_bad_exits_and_draft_vocabularies_fail_before_any_work(tmp_path, monkeypatch):
-    monkeypatch.setattr(
-        "fastdecode_recipes.exit_adapter.build_datasets", lambda *a, **k: pytest.fail("data was read")
-    )
+    monkeypatch.setattr("adapter_train.recipe.build_datasets", lambda *a, **k: pytest.fail("data was read"))
     with pytest.raises(ExitLayerError, match=r"recipe.exits=4 .*\[1, 3\]"):
         fastdecode_recipes.run(adapter_cfg(tmp_path, "recipe.exits=[2,4]"))
     with pytest.raises(ExitLayerError, match=r"recipe.exits=0"):

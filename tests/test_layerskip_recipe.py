@@ -117,7 +117,7 @@ def test_opting_in_writes_the_exit_into_generation_config(tmp_path):
 
 @pytest.mark.parametrize("useful", [True, False])
 def test_the_exit_choice_from_the_report_goes_into_the_sidecar(tmp_path, monkeypatch, useful):
-    import fastdecode_recipes.layerskip as recipe
+    import layerskip_train.recipe as recipe
 
     fake = {"exit": 3, "draft": 2, "expected_speedup": 1.4} if useful else {"exit": None, "draft": 0}
     monkeypatch.setattr(recipe, "choose_exit", lambda agreement, costs, **kw: dict(fake))

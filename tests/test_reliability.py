@@ -374,7 +374,7 @@ def test_a_damaged_model_that_cannot_be_converted_names_the_directory(converted,
     ],
 )
 def test_trainer_values_are_typed_before_anything_loads(tmp_path, monkeypatch, overrides, message):
-    no_model_load(monkeypatch, "fastdecode_recipes.sft", "fastdecode_recipes.layerskip")
+    no_model_load(monkeypatch, "fastdecode_recipes.sft", "layerskip_train.recipe")
     with pytest.raises(ConfigError, match=message):
         fastdecode_recipes.run(sft_cfg(tmp_path, *overrides))
     assert not (tmp_path / "run").exists()
@@ -451,7 +451,7 @@ def test_an_incomplete_checkpoint_is_named_by_speed_exits_and_loading(tmp_path, 
 
 
 def test_a_missing_data_file_and_a_bad_exit_layer_fail_before_the_model_loads(tmp_path, monkeypatch):
-    no_model_load(monkeypatch, "fastdecode_recipes.layerskip", "fastdecode_recipes.sft")
+    no_model_load(monkeypatch, "layerskip_train.recipe", "fastdecode_recipes.sft")
     with pytest.raises(ConfigError, match=r"data\.path=/missing/chat\.jsonl is not a file"):
         fastdecode_recipes.run(sft_cfg(tmp_path, "data.path=/missing/chat.jsonl"))
     with pytest.raises(ConfigError, match=r"exit_layer=99 must be in \[1, 3\]"):

@@ -22,8 +22,8 @@ from fastdecode.decoding.skipdecode import policy_from_config, read_skip_options
 from fastdecode.model import EarlyExitModel
 from fastdecode.skipdecode import SkipDecodePolicy, policy_hidden, response_starts
 from fastdecode.skipdecode_report import lcs_length, rouge_l, skipdecode_quality, split_examples
-from fastdecode_recipes.skipdecode import decoder_options
 from skipdecode_train.module import SkipDecodeLM
+from skipdecode_train.recipe import decoder_options
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.helpers import lively_model, random_prompts, write_chat_jsonl
 

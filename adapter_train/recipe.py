@@ -27,6 +27,7 @@ import torch
 from adapter_train.config import ExitAdapterConfig
 from adapter_train.features import FeatureDataset, build_features, collate_features
 from adapter_train.module import AdapterLM
+from adapter_train.report import report
 from adapter_train.trainer import AdapterTrainer
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
 from fastdecode.data.chat import build_datasets, user_prompt_ids
@@ -48,7 +49,6 @@ from fastdecode.io import atomic_write_json
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokens import eos_ids
 from fastdecode_recipes.common import TrainJob, job_tokenizer
-from fastdecode_recipes.exit_adapter_report import report
 from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
 
 log = logging.getLogger(__name__)
