@@ -3,8 +3,10 @@
 Writes ``skipdecode_quality.json`` into ``output_dir``: ROUGE-L and exact match of the ``skipdecode`` decoder's
 greedy outputs against full-depth greedy decoding, layers per generated token of both, and the perplexity of
 held-out reference answers under the policy and at full depth (``fastdecode/skipdecode_report.py``). Speed is
-``eval/speed.py decoder=[autoregressive,skipdecode]``. ``skip_file=<run>/final/skipdecode.json`` decodes with
-the policy a ``recipe=skipdecode`` run was trained with (files of either format: ``read_skip_options``).
+``eval/speed.py decoder=[autoregressive,skipdecode]``. A checkpoint trained with ``recipe=skipdecode`` is
+decoded with the policy it was trained with (its ``skipdecode.json``; ``skip_file=<run>/final/skipdecode.json``
+names another run's): ``skip.*`` options left null take the trained values, options that contradict them are
+refused (``fastdecode.skipdecode.SkipPolicyMismatchError``), before the model loads.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from fastdecode.data.config import DataConfig  # noqa: E402
 class QualityJob:
     model: ModelConfig
     data: DataConfig
-    # DecodeConfig.skip (fastdecode.decoding.SkipOptions), converted in run(): importing the decoders at the
-    # top would make --help and --cfg wait for torch and transformers.
+    # DecodeConfig.skip (fastdecode.skipdecode.SkipOptions), converted in run(): importing it at the top
+    # would make --help and --cfg wait for torch and transformers.
     skip: dict = dataclasses.field(default_factory=dict)
     skip_file: str | None = "auto"
     checkpoint: str | None = None
@@ -39,30 +41,26 @@ class QualityJob:
     output_dir: str = "outputs/skipdecode-quality"
 
 
-def skip_options_file(job: QualityJob) -> str | None:
-    """The ``skipdecode.json`` to decode with: ``skip_file``; ``auto``: the checkpoint's own, if it has one
-    (the policy it was trained with), else None (``skip``); ``null``: None."""
-    if job.skip_file != "auto":
-        return job.skip_file
-    own = Path(job.checkpoint) / "skipdecode.json" if job.checkpoint else None
-    return str(own) if own is not None and own.is_file() else None
-
-
 def run(cfg: Any) -> dict:
     """Decode the held-out prompts both ways, score, write and return the report."""
     from fastdecode.checkpoint_info import checkpoint_model
     from fastdecode.data.chat import build_datasets
-    from fastdecode.decoding import DecodeConfig, SkipOptions
-    from fastdecode.decoding.skipdecode import read_skip_options
+    from fastdecode.decoding import DecodeConfig
     from fastdecode.io import atomic_write_json
     from fastdecode.loading import load_model
     from fastdecode.model import EarlyExitModel
+    from fastdecode.skipdecode import SkipOptions, read_trained_policy, trained_options, trained_policy_file
     from fastdecode.skipdecode_report import skipdecode_quality, split_examples
 
     job = to_dataclass(QualityJob, cfg, "")
     model_cfg = checkpoint_model(job.model, job.checkpoint)  # a contradicting model= fails before any load
-    skip_file = skip_options_file(job)
-    skip = read_skip_options(skip_file) if skip_file else to_dataclass(SkipOptions, job.skip, "skip")
+    skip_file = trained_policy_file(job.checkpoint, job.skip_file)
+    skip = to_dataclass(SkipOptions, job.skip, "skip")
+    if skip_file:  # the policy the checkpoint was trained with: contradicting options fail before any load
+        override = "set skip_file=null"
+        skip = trained_options(
+            read_trained_policy(skip_file), skip, source=skip_file, override=override, keys="skip."
+        )
     decode = DecodeConfig(max_new_tokens=job.max_new_tokens, skip=skip)
     model, tokenizer = load_model(model_cfg)
     decode = dataclasses.replace(decode, eos_token_id=tokenizer.eos_token_id)

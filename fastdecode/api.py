@@ -7,8 +7,9 @@
 
 ``from_pretrained`` reads from a checkpoint directory the exit E (``fastdecode.json``, else
 ``generation_config.assistant_early_exit``), the exit adapter (``exit_adapter/``), ``draft_vocab.json`` and
-``skipdecode.json``; ``generate`` uses them as the defaults of the ``DecodeConfig`` options, stops at the
-tokenizer's (and the generation config's) EOS and renders text through the tokenizer's chat template. The
+``skipdecode.json`` (the SkipDecode policy it was trained with: options that contradict it are refused,
+``SkipPolicyMismatchError``); ``generate`` uses them as the defaults of the ``DecodeConfig`` options, stops at
+the tokenizer's (and the generation config's) EOS and renders text through the tokenizer's chat template. The
 default method, ``auto``, decodes with the first decoder of ``fastdecode.choose.plan_decoding``: prompt lookup
 chained before the checkpoint's exit or exit adapter when the acceptance it records is expected to pay, else
 prompt lookup alone (works on every model). Options
@@ -31,11 +32,11 @@ from fastdecode.config import ConfigError, ModelConfig, group_choices, load_grou
 from fastdecode.cost import decoding_costs
 from fastdecode.decoding import DecodeConfig, DecodeOutput, get_decoder
 from fastdecode.decoding.common import streaming
-from fastdecode.decoding.skipdecode import read_skip_options
 from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE
 from fastdecode.exit_adapter import CHECKPOINT_DIR, META_FILE
 from fastdecode.loading import load_model
 from fastdecode.model import EarlyExitModel
+from fastdecode.skipdecode import SkipOptions, read_trained_policy, trained_options, trained_policy_file
 from fastdecode.tokens import eos_ids
 
 try:
@@ -51,7 +52,6 @@ ALIASES = {
     "assistant_confidence_threshold": "confidence_threshold",
 }
 SCHEDULES = {"constant": "constant", "heuristic": "heuristic", "heuristic_transient": "heuristic"}
-SKIPDECODE_FILE = "skipdecode.json"
 AUTO = "auto"  # generate(method=AUTO): the plan's first decoder (fastdecode/choose.py)
 
 
@@ -110,14 +110,29 @@ def _model_config(source: str | ModelConfig, **placement: Any) -> tuple[ModelCon
 
 
 def from_pretrained(
-    source: str | ModelConfig, *, device: str = "auto", dtype: str = "auto", adapter: str | None = None
+    source: str | ModelConfig,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    adapter: str | None = None,
+    skip_file: str | None = "auto",
 ) -> FastDecoder:
     """Load ``source`` (a checkpoint directory, a hub id, a ``configs/model`` name or a ``ModelConfig``) and
-    its tokenizer; ``adapter``: an exit adapter directory (default: ``exit_adapter/`` inside the directory)."""
+    its tokenizer; ``adapter``: an exit adapter directory (default: ``exit_adapter/`` inside the directory);
+    ``skip_file``: the ``skipdecode.json`` whose SkipDecode policy ``method="skipdecode"`` keeps to
+    (``"auto"``: the directory's own, when it has one; None: none, the options alone)."""
     cfg, directory = _model_config(source, device=device, dtype=dtype)
+    skip_file = trained_policy_file(directory, skip_file)  # a bad file fails before the weights load
+    trained_skip = read_trained_policy(skip_file) if skip_file else None
     model, tokenizer = load_model(cfg)
     return FastDecoder(
-        model, tokenizer, directory=directory, adapter=adapter, recommended=cfg.recommended_exit
+        model,
+        tokenizer,
+        directory=directory,
+        adapter=adapter,
+        recommended=cfg.recommended_exit,
+        skip_file=skip_file,
+        trained_skip=trained_skip,
     )
 
 
@@ -132,10 +147,14 @@ class FastDecoder:
         directory: Path | None = None,
         adapter: str | None = None,
         recommended: int | None = None,
+        skip_file: str | None = None,
+        trained_skip: SkipOptions | None = None,
     ) -> None:
         self.model, self.tokenizer, self.m = model, tokenizer, EarlyExitModel(model)
         self.directory = directory
         self.defaults = _checkpoint_defaults(directory, adapter, recommended)
+        # the SkipDecode policy the checkpoint was trained with (``skip_file``), kept to by ``skipdecode``
+        self.skip_file, self.trained_skip = skip_file, trained_skip
         self._plan: Plan | None = None
 
     def plan(self) -> Plan:
@@ -198,6 +217,14 @@ class FastDecoder:
             if name in given:
                 raise ConfigError(f"generate(): {key} and {name} are the same option; pass one of them.")
             given[name] = SCHEDULES.get(value, value) if key == "num_assistant_tokens_schedule" else value
+        if method == "skipdecode" and self.trained_skip is not None:  # refused here, before any decoding
+            given["skip"] = trained_options(
+                self.trained_skip,
+                to_dataclass(SkipOptions, given.get("skip"), "generate(): skip"),
+                source=str(self.skip_file),
+                override="load the model with from_pretrained(..., skip_file=None)",
+                keys="skip.",
+            )
         node = self.defaults.get(method, {}) | {"eos_token_id": sorted(eos_ids(self.model, self.tokenizer))}
         if "adapter" in node and "exit_layer" in given:  # an explicit E drafts at that exit, raw
             node = {k: v for k, v in node.items() if k not in ("adapter", "draft_vocab")}
@@ -246,7 +273,8 @@ class FastDecoder:
 
 def _checkpoint_defaults(directory: Path | None, adapter: str | None, recommended: int | None) -> dict:
     """Per method, the ``DecodeConfig`` options a checkpoint directory records (E, adapter, draft
-    vocabulary, SkipDecode policy); an explicit ``adapter`` wins over the one inside the directory."""
+    vocabulary); an explicit ``adapter`` wins over the one inside the directory. (The SkipDecode policy is
+    not a default but a constraint: ``FastDecoder.config``.)"""
     exit_layer = recommended_exit(directory)[0] if directory else None
     exit_layer = recommended if exit_layer is None else exit_layer
     spec: dict[str, Any] = {} if exit_layer is None else {"exit_layer": exit_layer}
@@ -256,7 +284,4 @@ def _checkpoint_defaults(directory: Path | None, adapter: str | None, recommende
         adapter = str(directory / CHECKPOINT_DIR)
     if adapter is not None:  # the adapter has its own E and draft vocabulary
         spec = {"adapter": adapter}
-    defaults: dict[str, dict] = {"self_speculative": spec}
-    if directory is not None and (directory / SKIPDECODE_FILE).is_file():
-        defaults["skipdecode"] = {"skip": dataclasses.asdict(read_skip_options(directory / SKIPDECODE_FILE))}
-    return defaults
+    return {"self_speculative": spec}

@@ -1,7 +1,9 @@
-"""SkipDecode (Del Corro et al., 2023): the per-position layer budget and its exact teacher-forced forward.
+"""SkipDecode (Del Corro et al., 2023): its options, the per-position layer budget and its exact teacher-forced
+forward, and the record of the policy a checkpoint was trained with.
 
 One module shared by the training recipe (``skipdecode_train``) and the decoder
-(``fastdecode/decoding/skipdecode.py``), so both run literally the same layers at every position.
+(``fastdecode/decoding/skipdecode.py``), so both read the same options with the same meanings
+(``SkipOptions``) and run literally the same layers at every position (``SkipDecodePolicy``).
 
 The policy. A sequence whose response starts at position ``r`` (positions ``< r`` are the prompt) runs
 ``b(t)`` of its ``L`` layers at position ``t``::
@@ -21,17 +23,76 @@ uses its own ``P``: budgets (and outputs) of a row can depend on the batch it is
 
 Why no KV recomputation: ``b`` never increases, so ``S(t) ⊆ S(t')`` for ``t' < t``; every key/value that a
 token attends to at a layer it runs was written when the earlier token ran that layer.
+
+The record: ``recipe=skipdecode`` writes the policy it trained with to ``final/skipdecode.json``
+(``save_trained_policy``); decoding that checkpoint uses it (``read_trained_policy``), and options that
+contradict it are refused (``trained_options``: ``SkipPolicyMismatchError``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from fastdecode.config import ConfigError
+from fastdecode.config import ConfigError, to_dataclass
+from fastdecode.io import atomic_write_json
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokens import IGNORE_INDEX
+
+SKIPDECODE_FILE = "skipdecode.json"  # the trained policy, in a checkpoint directory
+
+
+@dataclass
+class SkipOptions:
+    """SkipDecode's four options, one meaning each, for training (``recipe.*`` of
+    ``configs/recipe/skipdecode.yaml``, through ``skipdecode_train.config.SkipDecodeConfig``) and decoding
+    (``decoder.skip.*``, ``DecodeConfig.skip``); ``policy`` makes them a model's ``SkipDecodePolicy``.
+
+    - ``max_budget``: layers at the first response token; None: all layers.
+    - ``min_budget``: layers at ``max_length`` and after; None: half the layers (at least
+      ``warmup_layers + 1``, at most ``max_budget``).
+    - ``warmup_layers``: bottom layers every token runs; None: 1.
+    - ``max_length``: the position T (prompt included) where the budget reaches ``min_budget``; None: the
+      longest sequence of the run (training: ``data.max_length``; decoding: the longest prompt of the batch
+      + ``max_new_tokens``).
+
+    None is "not chosen", so the value above is the default. A checkpoint trained with ``recipe=skipdecode``
+    records its policy (``skipdecode.json``) and that is its default: decoding it, an option left None takes
+    the trained value and an option that is set must equal it (``trained_options``).
+    """
+
+    KEYS: ClassVar[str] = "decoder.skip."  # where the options sit in the config, for messages
+
+    max_budget: int | None = None
+    min_budget: int | None = None
+    warmup_layers: int | None = None
+    max_length: int | None = None
+
+    def __post_init__(self) -> None:
+        low, high, k = self.min_budget, self.max_budget, self.KEYS
+        if low is not None and high is not None and low > high:
+            raise ConfigError(f"{k}min_budget={low} > {k}max_budget={high}: must be <=.")
+
+    def policy(self, num_layers: int, max_length: int) -> SkipDecodePolicy:
+        """The validated policy of these options for a model of ``num_layers`` layers; ``max_length``: T when
+        the options leave it None (the longest sequence of the run)."""
+        warmup = 1 if self.warmup_layers is None else self.warmup_layers
+        high = num_layers if self.max_budget is None else self.max_budget
+        low = min(high, max(warmup + 1, num_layers // 2)) if self.min_budget is None else self.min_budget
+        return SkipDecodePolicy(
+            num_layers=num_layers,
+            max_budget=high,
+            min_budget=low,
+            warmup_layers=warmup,
+            max_length=max_length if self.max_length is None else self.max_length,
+            keys=self.KEYS,
+        )
 
 
 @dataclass(frozen=True)
@@ -70,6 +131,10 @@ class SkipDecodePolicy:
                 )
         if self.max_length < 1:
             raise ConfigError(f"{k}max_length={self.max_length}: must be >= 1 (tokens).")
+
+    def options(self) -> SkipOptions:
+        """The options that give this policy back (every one set): what a checkpoint records."""
+        return SkipOptions(self.max_budget, self.min_budget, self.warmup_layers, self.max_length)
 
     # ----------------------------------------------------------------------------------------------------
     # Budgets
@@ -206,3 +271,68 @@ def policy_hidden(
         position_ids = torch.arange(length, device=input_ids.device).expand(batch, -1)
     budgets = policy.row_budgets(response_starts(labels), length)
     return policy_forward(m, policy, m.embed(input_ids, position_ids), position_ids, budgets)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The trained policy, recorded next to a checkpoint
+class SkipPolicyMismatchError(ConfigError):
+    """Options that contradict the SkipDecode policy a checkpoint was trained with."""
+
+
+def save_trained_policy(directory: str | os.PathLike, policy: SkipDecodePolicy) -> Path:
+    """Write ``directory/skipdecode.json``: ``{"decoder": "skipdecode", "num_layers": L, "skip": {...}}``, the
+    policy ``recipe=skipdecode`` trained with, every option set (``decoder.skip.*`` keys)."""
+    path = Path(directory) / SKIPDECODE_FILE
+    skip = dataclasses.asdict(policy.options())
+    atomic_write_json(path, {"decoder": "skipdecode", "num_layers": policy.num_layers, "skip": skip})
+    return path
+
+
+def read_trained_policy(path: str | os.PathLike) -> SkipOptions:
+    """The options of a ``skipdecode.json`` (its ``skip`` mapping); a missing mapping or a misspelt key fails
+    naming the file."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path}: cannot read the SkipDecode policy ({err}).") from err
+    if not isinstance(data, dict) or not isinstance(data.get("skip"), dict):
+        raise ConfigError(f"{path}: no SkipDecode policy (a 'skip' mapping) in it.")
+    return to_dataclass(SkipOptions, data["skip"], f"{path}: skip")
+
+
+def trained_policy_file(checkpoint: str | os.PathLike | None, skip_file: str | None = "auto") -> str | None:
+    """The ``skipdecode.json`` whose policy a decoder must keep to: ``skip_file``; ``"auto"``: the checkpoint
+    directory's own, when it has one (the policy it was trained with); None: none (the options alone)."""
+    if skip_file != "auto":
+        return skip_file
+    own = Path(checkpoint) / SKIPDECODE_FILE if checkpoint else None
+    return str(own) if own is not None and own.is_file() else None
+
+
+def trained_options(
+    trained: SkipOptions,
+    given: SkipOptions | None,
+    *,
+    source: str,
+    override: str,
+    keys: str = SkipOptions.KEYS,
+) -> SkipOptions:
+    """The options that decode a checkpoint trained with ``trained`` (read from ``source``): an option that
+    ``given`` leaves None takes the trained value; one it sets must equal the trained value (or fill one the
+    record leaves None). A contradiction raises ``SkipPolicyMismatchError`` naming both values and the fixes;
+    ``override`` says how the caller decodes with other options on purpose (without the record)."""
+    names = [f.name for f in dataclasses.fields(SkipOptions)]
+    recorded = {name: getattr(trained, name) for name in names}
+    chosen = {name: getattr(given, name) for name in names if given and getattr(given, name) is not None}
+    clashes = {name: value for name, value in chosen.items() if recorded[name] not in (None, value)}
+    if clashes:
+        shown = "; ".join(
+            f"{keys}{name}={value}, trained with {recorded[name]}" for name, value in clashes.items()
+        )
+        fix = ", ".join(f"{keys}{name}={recorded[name]}" for name in clashes)
+        raise SkipPolicyMismatchError(
+            f"{shown}: the options contradict the SkipDecode policy the checkpoint was trained with ({source}). "
+            f"Leave them unset (null) to decode with the trained policy, or set {fix}; to decode with another "
+            f"policy on purpose, {override}."
+        )
+    return SkipOptions(**recorded | chosen)

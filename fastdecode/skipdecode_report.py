@@ -124,12 +124,12 @@ def skipdecode_quality(
         report["perplexity"] = {
             "skipdecode": policy_perplexity(m, lambda p: policy_from_config(cfg, num_layers, p), examples),
             "full": policy_perplexity(
-                m, lambda p: policy_from_config(_full_depth(cfg), num_layers, p), examples
+                m, lambda p: policy_from_config(_full_depth(cfg, num_layers), num_layers, p), examples
             ),
         }
     return report
 
 
-def _full_depth(cfg: DecodeConfig) -> DecodeConfig:
+def _full_depth(cfg: DecodeConfig, num_layers: int) -> DecodeConfig:
     """``cfg`` with every budget at full depth (the policy then runs the whole model everywhere)."""
-    return replace(cfg, skip=replace(cfg.skip, max_budget=None, min_budget=None))
+    return replace(cfg, skip=replace(cfg.skip, max_budget=num_layers, min_budget=num_layers))

@@ -1,25 +1,26 @@
-"""``configs/recipe/skipdecode.yaml`` as a typed dataclass; ``policy`` turns it into the model's policy."""
+"""``configs/recipe/skipdecode.yaml`` as a typed dataclass; ``training_policy`` turns it into the model's policy."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from fastdecode.config import ConfigError
-from fastdecode.skipdecode import SkipDecodePolicy
+from fastdecode.skipdecode import SkipDecodePolicy, SkipOptions
 
 
 @dataclass
-class SkipDecodeConfig:
-    """The SkipDecode policy trained with (``fastdecode/skipdecode.py``), in layers and tokens."""
+class SkipDecodeConfig(SkipOptions):
+    """The recipe's config: SkipDecode's four options (``SkipOptions``: ``max_budget``, ``min_budget``,
+    ``warmup_layers``, ``max_length``, with the meanings they have under ``decoder.skip``) and the recipe's own
+    keys. Training, ``max_length`` left None is ``data.max_length``."""
+
+    KEYS: ClassVar[str] = "recipe."
 
     name: str = "skipdecode"
-    max_budget: int | None = None  # layers at the first response token; null: all layers
-    min_budget: int | None = None  # layers at max_length and beyond; null: half the layers
-    warmup_layers: int = 1  # bottom layers every token runs
-    max_length: int | None = None  # T, where the budget reaches min_budget; null: data.max_length
     evaluate_before: bool = True  # held-out loss under the policy before training too (before/after)
 
-    def policy(self, num_layers: int, data_max_length: int) -> SkipDecodePolicy:
+    def training_policy(self, num_layers: int, data_max_length: int) -> SkipDecodePolicy:
         """The validated policy for a model of ``num_layers`` trained on rows of ``data_max_length`` tokens.
 
         Why ``max_length >= data.max_length``: a response can start anywhere in a row, and the budget decays
@@ -30,16 +31,4 @@ class SkipDecodeConfig:
                 f"recipe.max_length={self.max_length} is shorter than data.max_length={data_max_length}: a "
                 "response may start after it; set recipe.max_length >= data.max_length (or null to use it)."
             )
-        max_budget = num_layers if self.max_budget is None else self.max_budget
-        if self.min_budget is None:
-            min_budget = min(max_budget, max(self.warmup_layers + 1, num_layers // 2))
-        else:
-            min_budget = self.min_budget
-        return SkipDecodePolicy(
-            num_layers=num_layers,
-            max_budget=max_budget,
-            min_budget=min_budget,
-            warmup_layers=self.warmup_layers,
-            max_length=data_max_length if self.max_length is None else self.max_length,
-            keys="recipe.",
-        )
+        return self.policy(num_layers, data_max_length)

@@ -3,21 +3,21 @@
 The ``fastdecode_recipes.finetune`` sequence with ``SkipDecodeLM`` (final-layer CE, the policy run exactly in
 the forward) under the plain Trainer: policy check -> data -> held-out perplexity under the policy (before)
 -> train -> export (verified against the live model under the policy) -> held-out perplexity (after) ->
-``final/skipdecode.json``: the ``decoder`` options (``DecodeConfig.skip``) that decode with the
-trained policy.
+``final/skipdecode.json``: the policy it trained with (``fastdecode.skipdecode.save_trained_policy``), every
+option set; decoding the checkpoint uses it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any
 
 from fastdecode.config import ConfigError, to_dataclass
 from fastdecode.data.chat import collate
-from fastdecode.io import atomic_write_json
 from fastdecode.model import EarlyExitModel
-from fastdecode.skipdecode import SkipDecodePolicy
+from fastdecode.skipdecode import SkipDecodePolicy, save_trained_policy
 from fastdecode.skipdecode_report import policy_perplexity
 from fastdecode_recipes.common import TrainJob
 from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
@@ -27,21 +27,9 @@ from skipdecode_train.module import SkipDecodeLM
 log = logging.getLogger(__name__)
 
 
-def decoder_options(policy: SkipDecodePolicy) -> dict:
-    """The ``DecodeConfig`` options (``skip``) that make ``decoder=skipdecode`` run ``policy``."""
-    return {
-        "skip": {
-            "max_budget": policy.max_budget,
-            "min_budget": policy.min_budget,
-            "warmup_layers": policy.warmup_layers,
-            "max_length": policy.max_length,
-        }
-    }
-
-
 class SkipDecode(Recipe):
     """``SkipDecodeLM`` (the policy in the forward) under the plain Trainer; held-out perplexity under the
-    policy before and after; the decoder options next to the checkpoint."""
+    policy before and after; the trained policy next to the checkpoint."""
 
     def __init__(self, job: TrainJob) -> None:
         super().__init__(job)
@@ -56,7 +44,7 @@ class SkipDecode(Recipe):
             )
 
     def validate(self, config) -> None:  # the policy is built (and checked) before the weights load
-        self.policy = self.rcfg.policy(config.num_hidden_layers, self.job.data.max_length)
+        self.policy = self.rcfg.training_policy(config.num_hidden_layers, self.job.data.max_length)
 
     def collator(self, tokenizer, model):
         return functools.partial(collate, pad_id=tokenizer.pad_token_id, mask_dtype=model.dtype, four_d=False)
@@ -65,7 +53,7 @@ class SkipDecode(Recipe):
         return SkipDecodeLM(model, self.policy)
 
     def summary(self) -> dict:
-        return {"policy": decoder_options(self.policy)}
+        return {"policy": {"skip": dataclasses.asdict(self.policy.options())}}
 
     def before_report(self, model, tokenizer, held_out: list[dict]) -> dict | None:
         if not (self.rcfg.evaluate_before and held_out):
@@ -79,12 +67,7 @@ class SkipDecode(Recipe):
         return {"held_out": {"before": run.before, "after": after}}
 
     def extra_files(self, run: FinetuneRun) -> dict:
-        options = {
-            "decoder": "skipdecode",
-            "num_layers": self.policy.num_layers,
-            **decoder_options(self.policy),
-        }
-        atomic_write_json(run.stage / "skipdecode.json", options)
+        save_trained_policy(run.stage, self.policy)
         return {}
 
 

@@ -98,14 +98,15 @@ def test_exits_on_a_checkpoint_compares_the_base_it_records(ckpt):
 
 
 def test_skipdecode_quality_decodes_with_the_checkpoints_own_policy(ckpt, tmp_path):
-    from eval.skipdecode_quality import QualityJob, skip_options_file
+    from eval.skipdecode_quality import QualityJob
+    from fastdecode.skipdecode import trained_policy_file
 
     cfg = _compose("skipdecode_quality", "model=checkpoint", f"checkpoint={ckpt}")
     assert cfg.output_dir == "outputs/skipdecode-quality-layerskip-tiny-llama"
     job = to_dataclass(QualityJob, cfg, "")
-    assert skip_options_file(job) == str(ckpt / "skipdecode.json")
-    assert skip_options_file(dataclasses.replace(job, skip_file=None)) is None  # null: the skip options
-    assert skip_options_file(dataclasses.replace(job, checkpoint=str(tmp_path))) is None  # none to read
+    assert trained_policy_file(job.checkpoint, job.skip_file) == str(ckpt / "skipdecode.json")
+    assert trained_policy_file(job.checkpoint, None) is None  # null: the skip options
+    assert trained_policy_file(str(tmp_path), job.skip_file) is None  # none to read
 
 
 def test_training_from_a_checkpoint_is_named_after_it(ckpt):

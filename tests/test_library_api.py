@@ -1,5 +1,6 @@
 """The library API (fastdecode/api.py): the README's example, inputs of every form, HF aliases, streaming, and the
-decoding defaults a checkpoint directory records (exit, draft vocabulary, SkipDecode policy)."""
+decoding defaults a checkpoint directory records (exit, draft vocabulary), and the SkipDecode policy it was
+trained with, which decoding keeps to."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 import fastdecode
 from fastdecode.checkpoint_info import write_sidecar
 from fastdecode.config import ConfigError
+from fastdecode.decoding import DECODERS
 from fastdecode.draft_vocab_file import save_draft_vocab
+from fastdecode.skipdecode import SkipOptions, SkipPolicyMismatchError
 from tests.helpers import tiny_model
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -137,6 +140,31 @@ def test_from_pretrained_reads_what_the_checkpoint_records(checkpoint_dir):
     auto = fd.generate(prompt, max_new_tokens=10)
     assert auto.method == "prompt_lookup" and auto.text == plain.text
     assert fd.plan().not_paying == [] and [c.name for c in fd.plan().candidates] == ["prompt_lookup"]
+
+
+def test_skipdecode_keeps_to_the_policy_the_checkpoint_was_trained_with(checkpoint_dir, monkeypatch):
+    """No options: the recorded policy; options that match it: accepted; options that contradict it: refused
+    with ``SkipPolicyMismatchError`` before any decoding; ``skip_file=None``: the options alone, on purpose."""
+    fd = fastdecode.from_pretrained(str(checkpoint_dir), device="cpu", dtype="float32")
+    recorded = fd.generate("Tell me", max_new_tokens=5, method="skipdecode")
+    assert recorded.config.skip == SkipOptions(max_budget=3, min_budget=2, warmup_layers=1)
+    assert recorded.layers_per_token < fd.m.num_layers  # the trained policy skips layers
+    same = fd.generate(
+        "Tell me", max_new_tokens=5, method="skipdecode", skip={"max_budget": 3, "warmup_layers": 1}
+    )
+    assert same.config.skip == recorded.config.skip and same.ids == recorded.ids
+    assert (
+        fd.config("skipdecode", max_new_tokens=5, skip=SkipOptions(min_budget=2)).skip == recorded.config.skip
+    )
+    monkeypatch.setitem(DECODERS, "skipdecode", lambda *a, **k: pytest.fail("decoding started"))
+    with pytest.raises(SkipPolicyMismatchError, match=r"skip.min_budget=1, trained with 2.*skip_file=None"):
+        fd.generate("Tell me", max_new_tokens=5, method="skipdecode", skip={"min_budget": 1})
+    with pytest.raises(SkipPolicyMismatchError, match=r"skip.warmup_layers=0, trained with 1"):
+        fd.generate("Tell me", max_new_tokens=5, method="skipdecode", skip=SkipOptions(warmup_layers=0))
+    free = fastdecode.from_pretrained(str(checkpoint_dir), device="cpu", dtype="float32", skip_file=None)
+    assert free.config("skipdecode", max_new_tokens=5, skip={"min_budget": 1}).skip == SkipOptions(
+        min_budget=1
+    )
 
 
 def test_the_default_decoder_is_what_the_checkpoint_expects_to_pay(checkpoint_dir, tmp_path):

@@ -1,5 +1,6 @@
-"""SkipDecode: the policy's properties, exactness of the teacher-forced training forward against token-by-token
-decoding, the KV cache written and read only where the policy runs, the recipe end to end, ROUGE-L, bad input."""
+"""SkipDecode: the policy's properties, one meaning per option for training and decoding, exactness of the
+teacher-forced training forward against token-by-token decoding, the KV cache written and read only where the
+policy runs, the recipe end to end and the policy it records, ROUGE-L, bad input."""
 
 from __future__ import annotations
 
@@ -18,12 +19,20 @@ from fastdecode.config import CONFIG_DIR, ConfigError
 from fastdecode.decoding import DECODERS, DecodeConfig, SkipOptions
 from fastdecode.decoding.autoregressive import step
 from fastdecode.decoding.common import prefill
-from fastdecode.decoding.skipdecode import policy_from_config, read_skip_options
+from fastdecode.decoding.skipdecode import policy_from_config
 from fastdecode.model import EarlyExitModel
-from fastdecode.skipdecode import SkipDecodePolicy, policy_hidden, response_starts
+from fastdecode.skipdecode import (
+    SkipDecodePolicy,
+    SkipPolicyMismatchError,
+    policy_hidden,
+    read_trained_policy,
+    response_starts,
+    save_trained_policy,
+    trained_options,
+)
 from fastdecode.skipdecode_report import lcs_length, rouge_l, skipdecode_quality, split_examples
+from skipdecode_train.config import SkipDecodeConfig
 from skipdecode_train.module import SkipDecodeLM
-from skipdecode_train.recipe import decoder_options
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.helpers import lively_model, random_prompts, write_chat_jsonl
 
@@ -244,7 +253,8 @@ def test_quality_report_full_budget_matches_and_skipping_costs_fewer_layers():
     ]
     assert split_examples(examples) == prompts
     cfg = DecodeConfig(max_new_tokens=8)
-    same = skipdecode_quality(m, prompts, cfg, examples, batch_size=2)
+    full = SkipOptions(min_budget=m.num_layers)  # max_budget None: all layers, so no layer is skipped
+    same = skipdecode_quality(m, prompts, replace_cfg(cfg, skip=full), examples, batch_size=2)
     assert same["rouge_l"] == same["exact_match"] == 1.0
     assert same["perplexity"]["skipdecode"] == same["perplexity"]["full"]
     skip = skipdecode_quality(
@@ -306,32 +316,76 @@ def test_recipe_trains_exports_and_reloads(tmp_path):
     held = summary["held_out"]
     assert held["after"]["layers"] < 4 and held["after"]["perplexity"] < held["before"]["perplexity"]
     reloaded = EarlyExitModel(AutoModelForCausalLM.from_pretrained(summary["checkpoint"]))
-    cfg = DecodeConfig(max_new_tokens=6, skip=read_skip_options(run / "final" / "skipdecode.json"))
+    cfg = DecodeConfig(max_new_tokens=6, skip=read_trained_policy(run / "final" / "skipdecode.json"))
     assert len(skipdecode(reloaded, [[3, 50, 60]], cfg).tokens[0]) == 6
 
 
-def test_skipdecode_json_of_either_format_reads_back(tmp_path):
-    """The recipe writes ``{"skip": {...}}``; files written before the options were nested (flat ``skip_*``
-    keys) still read, to the same options; a mixed, empty or misspelt file fails naming the problem."""
+def test_skipdecode_json_reads_back_the_trained_policy(tmp_path):
+    """The recipe writes ``{"skip": {...}}`` with every option set, which reads back to the same policy; a
+    file without that mapping (the flat ``skip_*`` keys of an unreleased format included) or with a misspelt
+    key fails naming the problem."""
     policy = SkipDecodePolicy(num_layers=4, max_budget=3, min_budget=2, warmup_layers=1, max_length=40)
-    expected = SkipOptions(max_budget=3, min_budget=2, warmup_layers=1, max_length=40)
-    new = {"decoder": "skipdecode", "num_layers": 4, **decoder_options(policy)}
-    old = {"decoder": "skipdecode", "num_layers": 4} | {f"skip_{k}": v for k, v in new["skip"].items()}
-    files = {}
-    for name, content in [("new", new), ("old", old), ("mixed", new | old), ("none", {"decoder": "x"})]:
-        files[name] = tmp_path / f"{name}.json"
-        files[name].write_text(json.dumps(content))
-    assert read_skip_options(files["new"]) == read_skip_options(files["old"]) == expected
-    cfg = DecodeConfig(max_new_tokens=4, skip=read_skip_options(files["old"]))
+    path = save_trained_policy(tmp_path, policy)
+    assert json.loads(path.read_text()) == {
+        "decoder": "skipdecode",
+        "num_layers": 4,
+        "skip": {"max_budget": 3, "min_budget": 2, "warmup_layers": 1, "max_length": 40},
+    }
+    assert read_trained_policy(path) == SkipOptions(
+        max_budget=3, min_budget=2, warmup_layers=1, max_length=40
+    )
+    cfg = DecodeConfig(max_new_tokens=4, skip=read_trained_policy(path))
     assert policy_from_config(cfg, 4, 3) == policy  # the policy the checkpoint was trained with
-    with pytest.raises(ConfigError, match=r"both 'skip' and flat skip_\* keys"):
-        read_skip_options(files["mixed"])
-    with pytest.raises(ConfigError, match=r"no SkipDecode options"):
-        read_skip_options(files["none"])
-    files["typo"] = tmp_path / "typo.json"
-    files["typo"].write_text(json.dumps({"skip_max_budgt": 3}))
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps({"decoder": "skipdecode", "skip_max_budget": 3, "skip_min_budget": 2}))
+    with pytest.raises(ConfigError, match=r"flat.json: no SkipDecode policy \(a 'skip' mapping\)"):
+        read_trained_policy(flat)
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({"skip": {"max_budgt": 3}}))
     with pytest.raises(ConfigError, match=r"typo.json: skip.max_budgt'. Did you mean 'max_budget'\?"):
-        read_skip_options(files["typo"])
+        read_trained_policy(typo)
+
+
+@pytest.mark.parametrize("layers,warmup", [(4, None), (30, None), (30, 4), (12, 9), (2, 0)])
+def test_an_unset_option_means_the_same_when_training_and_when_decoding(layers, warmup):
+    """``min_budget=None`` is half the layers (at least warmup + 1, at most max_budget), ``max_budget=None``
+    all layers, ``warmup_layers=None`` one layer: the recipe config and the decoder options build one policy."""
+    trained = SkipDecodeConfig(warmup_layers=warmup).training_policy(layers, 64)
+    decoded = policy_from_config(
+        DecodeConfig(max_new_tokens=8, skip=SkipOptions(warmup_layers=warmup, max_length=64)), layers, 5
+    )
+    w = 1 if warmup is None else warmup
+    assert trained == decoded
+    assert (decoded.max_budget, decoded.min_budget, decoded.warmup_layers) == (
+        layers,
+        max(w + 1, layers // 2),
+        w,
+    )
+    capped = SkipOptions(max_budget=3, warmup_layers=0).policy(30, 64)
+    assert (capped.max_budget, capped.min_budget) == (3, 3)  # half the layers, at most max_budget
+    assert SkipDecodeConfig(max_budget=3, warmup_layers=0).training_policy(30, 64) == capped
+
+
+def test_decoding_keeps_to_the_trained_policy():
+    """Options left None take the trained values; options that match are accepted; options that contradict
+    the record are refused with a named error that gives both values and the fixes."""
+    trained = SkipOptions(max_budget=3, min_budget=2, warmup_layers=1, max_length=40)
+    kept = dict(source="run/final/skipdecode.json", override="set skip_file=null")
+    assert trained_options(trained, None, **kept) == trained
+    assert trained_options(trained, SkipOptions(), **kept) == trained
+    assert trained_options(trained, SkipOptions(max_budget=3, warmup_layers=1), **kept) == trained
+    partial = SkipOptions(
+        max_budget=3, min_budget=2, warmup_layers=1
+    )  # max_length not recorded: given fills it
+    assert trained_options(partial, SkipOptions(max_length=50), **kept).max_length == 50
+    with pytest.raises(SkipPolicyMismatchError) as err:
+        trained_options(trained, SkipOptions(min_budget=1, warmup_layers=0), **kept)
+    message = str(err.value)
+    assert (
+        "decoder.skip.min_budget=1, trained with 2; decoder.skip.warmup_layers=0, trained with 1" in message
+    )
+    assert "run/final/skipdecode.json" in message and "decoder.skip.min_budget=2" in message
+    assert "set skip_file=null" in message and isinstance(err.value, ConfigError)
 
 
 @pytest.mark.parametrize(
@@ -350,16 +404,15 @@ def test_bad_recipe_config_fails_before_training(tmp_path, override, message):
     assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 
-@pytest.mark.parametrize("source", ["overrides", "old_skipdecode_json"])
+@pytest.mark.parametrize("source", ["overrides", "trained_policy"])
 def test_quality_entry_point_writes_its_report(tmp_path, source):
     from eval.skipdecode_quality import run
 
     data = write_chat_jsonl(tmp_path / "chat.jsonl")
     skip = ["skip.max_budget=3", "skip.min_budget=2", "skip.warmup_layers=1"]
-    if source == "old_skipdecode_json":  # a recipe=skipdecode run's file from before the options were nested
-        old = {"decoder": "skipdecode", "skip_max_budget": 3, "skip_min_budget": 2, "skip_warmup_layers": 1}
-        (tmp_path / "skipdecode.json").write_text(json.dumps(old))
-        skip = [f"skip_file={tmp_path / 'skipdecode.json'}", "skip.max_budget=4"]  # the file wins
+    if source == "trained_policy":  # a recipe=skipdecode run's file: its policy, options that match it kept
+        path = save_trained_policy(tmp_path, SkipDecodePolicy(4, 3, 2, 1, max_length=512))
+        skip = [f"skip_file={path}", "skip.max_budget=3"]
     overrides = [
         "model=tiny-llama",
         "data=jsonl",
@@ -379,3 +432,22 @@ def test_quality_entry_point_writes_its_report(tmp_path, source):
         ]
         == 3
     )
+
+
+def test_quality_entry_point_keeps_to_the_trained_policy_before_the_model_loads(tmp_path, monkeypatch):
+    """Contradicting options are refused before any load; ``skip_file=null`` decodes with them on purpose."""
+    from eval.skipdecode_quality import run
+
+    def loaded(*_, **__):
+        raise RuntimeError("the model was loaded")
+
+    monkeypatch.setattr("fastdecode.loading.load_model", loaded)
+    path = save_trained_policy(tmp_path, SkipDecodePolicy(4, 3, 2, 1, max_length=512))
+    base = ["model=tiny-llama", f"output_dir={tmp_path / 'out'}", "skip.min_budget=1"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        refused = compose(config_name="skipdecode_quality", overrides=[*base, f"skip_file={path}"])
+        told_otherwise = compose(config_name="skipdecode_quality", overrides=[*base, "skip_file=null"])
+    with pytest.raises(SkipPolicyMismatchError, match=r"skip.min_budget=1, trained with 2.*skip_file=null"):
+        run(refused)
+    with pytest.raises(RuntimeError, match="the model was loaded"):
+        run(told_otherwise)

@@ -10,57 +10,29 @@ at every earlier step (the budget never increases), so their lengths all equal t
 caches hold every earlier token. A layer skipped at step ``k`` is never run again, so its shorter cache is
 never read. The slot of the step is taken from the last layer, which every step runs.
 
-The options (``DecodeConfig.skip``, ``decoder.skip.*``) of a ``recipe=skipdecode`` run are in its
-``final/skipdecode.json``; ``read_skip_options`` reads them, in the nested format and in the flat one of
-files written before (``skip_max_budget``, ...), so checkpoints trained then keep their policy.
+The options (``DecodeConfig.skip``, ``decoder.skip.*``) are ``fastdecode.skipdecode.SkipOptions``, the ones
+the recipe trains with; a ``recipe=skipdecode`` checkpoint records its policy in ``skipdecode.json``, which
+``fastdecode.from_pretrained`` and ``eval/skipdecode_quality.py`` decode with (``trained_options``).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import torch
 
-from fastdecode.config import ConfigError, to_dataclass
+from fastdecode.config import ConfigError
 from fastdecode.decoding.autoregressive import decode_steps
 from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, refuse_draft_model
-from fastdecode.decoding.options import SkipOptions
 from fastdecode.model import EarlyExitModel
 from fastdecode.skipdecode import SkipDecodePolicy
 
 
 def policy_from_config(cfg: DecodeConfig, num_layers: int, prompt_len: int) -> SkipDecodePolicy:
     """The policy of ``cfg.skip`` for a model of ``num_layers`` and a batch whose longest prompt has
-    ``prompt_len`` tokens; every value is checked here, before any model work."""
-    skip = cfg.skip
-    max_budget = num_layers if skip.max_budget is None else skip.max_budget
-    policy = SkipDecodePolicy(
-        num_layers=num_layers,
-        max_budget=max_budget,
-        min_budget=max_budget if skip.min_budget is None else skip.min_budget,
-        warmup_layers=skip.warmup_layers,
-        max_length=prompt_len + cfg.max_new_tokens if skip.max_length is None else skip.max_length,
-        keys="decoder.skip.",
-    )
+    ``prompt_len`` tokens (``max_length`` left None: ``prompt_len + max_new_tokens``); every value is checked
+    here, before any model work."""
+    policy = cfg.skip.policy(num_layers, prompt_len + cfg.max_new_tokens)
     policy.check_prompt(prompt_len)
     return policy
-
-
-def read_skip_options(path: str | os.PathLike) -> SkipOptions:
-    """``DecodeConfig.skip`` from a ``skipdecode.json`` written by ``recipe=skipdecode``: ``{"skip": {...}}``,
-    or the flat ``skip_*`` keys of files written before the options were nested (read the same way)."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{path}: cannot read SkipDecode options ({err}).") from err
-    flat = {key.removeprefix("skip_"): value for key, value in data.items() if key.startswith("skip_")}
-    if "skip" in data and flat:
-        raise ConfigError(f"{path}: has both 'skip' and flat skip_* keys ({', '.join(flat)}); keep one.")
-    if "skip" not in data and not flat:
-        raise ConfigError(f"{path}: no SkipDecode options (a 'skip' mapping) in it.")
-    return to_dataclass(SkipOptions, data.get("skip", flat), f"{path}: skip")
 
 
 @torch.inference_mode()
