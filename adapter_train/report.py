@@ -63,8 +63,7 @@ def report(
     choice = choose_exit(
         agreement["adapter"], costs, draft_costs=draft_costs, max_draft=r.max_draft, min_speedup=r.min_speedup
     )
-    rows = None if vocab is None else len(vocab)
-    raw_costs = {e: exit_draft_cost(costs, m, e, head_rows=rows) for e in adapters}
+    raw_costs = {e: exit_draft_cost(costs, m, e, vocab=vocab) for e in adapters}
     raw_choice = choose_exit(
         agreement["raw"], costs, draft_costs=raw_costs, max_draft=r.max_draft, min_speedup=r.min_speedup
     )

@@ -22,7 +22,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from fastdecode.cost import CostModel, exit_draft_cost, expected_tokens
-from fastdecode.exit_adapter import INDEX_FILE, read_meta, resolve_adapter
+from fastdecode.exit_adapter import INDEX_FILE, load_adapter, read_meta, resolve_adapter
 from fastdecode.model import EarlyExitModel
 
 MAX_DRAFT = 8  # the longest constant draft considered
@@ -64,11 +64,7 @@ def choose_exit(
 def adapter_draft_costs(costs: CostModel, m: EarlyExitModel, adapters: dict, vocab=None) -> dict[int, float]:
     """Per exit E of ``adapters`` (E -> ``ExitAdapter``), one token drafted through the adapter over the draft
     vocabulary ``vocab`` (ids, or None for the full head)."""
-    rows = None if vocab is None else len(vocab)
-    return {
-        e: exit_draft_cost(costs, m, e, adapter_parameters=a.num_parameters(), head_rows=rows)
-        for e, a in adapters.items()
-    }
+    return {e: exit_draft_cost(costs, m, e, adapter=a, vocab=vocab) for e, a in adapters.items()}
 
 
 @dataclass
@@ -164,9 +160,10 @@ def plan_decoding(
     """
     plan = Plan([])
     if adapter is not None:
-        token = exit_draft_cost(
-            costs, m, adapter.exit_layer, adapter_parameters=adapter.parameters, head_rows=adapter.head_rows
-        )
+        token = 0.0
+        if adapter.agreement is not None:  # else nothing to weigh the cost against
+            loaded, _, vocab = load_adapter(adapter.path, m)
+            token = exit_draft_cost(costs, m, adapter.exit_layer, adapter=loaded, vocab=vocab)
         _drafter(
             costs, "adapter", adapter.exit_layer, adapter.agreement, token, {"adapter": adapter.path}, plan
         )

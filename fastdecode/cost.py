@@ -126,17 +126,21 @@ def best_draft_length(
 
 
 def exit_draft_cost(
-    costs: CostModel,
-    m: EarlyExitModel,
-    exit_layer: int,
-    *,
-    adapter_parameters: int = 0,
-    head_rows: int | None = None,
+    costs: CostModel, m: EarlyExitModel, exit_layer: int, *, adapter=None, vocab: torch.Tensor | None = None
 ) -> float:
-    """One token drafted at exit ``exit_layer``: its blocks, an exit adapter's own weights counted in blocks
-    (``adapter_parameters``; 0 for the raw exit), a head of ``head_rows`` rows (a draft vocabulary)."""
-    extra = adapter_parameters / block_parameters(m)
-    return costs.draft_token(exit_layer, head_rows=head_rows, extra_blocks=extra)
+    """One token drafted at exit ``exit_layer``: its blocks and a head over ``vocab`` (a draft vocabulary's
+    ids; None: the full head), through ``adapter`` (an ``ExitAdapter`` at that exit) when given.
+
+    The raw exit is priced by the cost model's tables. An adapter adds its own attention, its cache layer and
+    a call: with a measured cost model the whole drafted token is timed on the model (``measure_exit_draft``:
+    the weights-read estimate undercounts it by half on a CPU), else its weights are counted in blocks."""
+    rows = None if vocab is None else len(vocab)
+    if adapter is None:
+        return costs.draft_token(exit_layer, head_rows=rows)
+    if costs.source == "measured":
+        return measure_exit_draft(m, exit_layer, adapter=adapter, vocab=vocab)
+    extra = adapter.num_parameters() / block_parameters(m)
+    return costs.draft_token(exit_layer, head_rows=rows, extra_blocks=extra)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -165,6 +169,35 @@ def _timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def _probe_cache(m: EarlyExitModel, context: int, steps: int, adapter=None):
+    """A batch-1 cache holding ``context`` random tokens (every layer, and an exit adapter's layer), the ids
+    and positions of ``steps`` more."""
+    device = m.device
+    context = min(context, m.config.max_position_embeddings - steps)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(m.vocab_size, (1, context + steps), generator=generator).to(device)
+    pos = torch.arange(ids.shape[1], device=device)[None]
+    cache = m.new_cache(1, ids.shape[1] + 1, extra_layers=0 if adapter is None else 1)
+    cache.reserve(torch.ones(1, context, dtype=torch.bool, device=device), 0, pos[:, :context])
+    split = m.num_layers if adapter is None else adapter.exit_layer
+    hidden = m.run_layers(m.embed(ids[:, :context], pos[:, :context]), 0, split, pos[:, :context], cache=cache)
+    if adapter is not None:
+        adapter(m, hidden, pos[:, :context], cache=cache)
+    m.run_layers(hidden, split, m.num_layers, pos[:, :context], cache=cache)
+    return cache, ids[:, context:], pos[:, context:], context
+
+
+def _interleaved_minima(probes: dict, device: torch.device, repeats: int) -> dict:
+    """The least disturbed of ``repeats`` interleaved rounds of every probe (after one untimed round)."""
+    times: dict = {name: [] for name in probes}
+    for round_ in range(repeats + 1):
+        for name, probe in probes.items():
+            seconds = _timed(probe, device)
+            if round_:
+                times[name].append(seconds)
+    return {name: min(found) for name, found in times.items()}
+
+
 @torch.inference_mode()
 def measure_costs(
     m: EarlyExitModel,
@@ -178,34 +211,21 @@ def measure_costs(
     keeps: on a shared machine the minimum is the stable statistic), at batch 1 with ``context`` cached
     tokens of random ids."""
     device, tokens = m.device, tuple(sorted(set(tokens)))
-    context = min(context, m.config.max_position_embeddings - max(tokens))
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(m.vocab_size, (1, context + max(tokens)), generator=generator).to(device)
-    pos = torch.arange(ids.shape[1], device=device)[None]
-    cache = m.new_cache(1, ids.shape[1] + 1)
-    cache.reserve(torch.ones(1, context, dtype=torch.bool, device=device), 0, pos[:, :context])
-    m.run_layers(m.embed(ids[:, :context], pos[:, :context]), 0, m.num_layers, pos[:, :context], cache=cache)
-    span = slice(context, context + max(tokens))
-    hidden_in = m.embed(ids[:, span], pos[:, span])
-    layer_times: dict[int, list[float]] = {t: [] for t in tokens}
-    head_times: dict[int, list[float]] = {t: [] for t in tokens}
+    cache, ids, pos, context = _probe_cache(m, context, max(tokens))
+    hidden_in = m.embed(ids, pos)
 
     def layers(t: int) -> None:
         cache.crop(context)
-        cache.reserve(
-            torch.ones(1, t, dtype=torch.bool, device=device), context, pos[:, context : context + t]
-        )
-        m.run_layers(hidden_in[:, :t], 0, m.num_layers, pos[:, context : context + t], cache=cache)
+        cache.reserve(torch.ones(1, t, dtype=torch.bool, device=device), context, pos[:, :t])
+        m.run_layers(hidden_in[:, :t], 0, m.num_layers, pos[:, :t], cache=cache)
 
-    for round_ in range(repeats + 1):
-        for t in tokens:
-            seconds = _timed(lambda t=t: layers(t), device)
-            head = _timed(lambda t=t: m.exit_logits(hidden_in[:, :t]), device)
-            if round_:  # the first round warms every shape up
-                layer_times[t].append(seconds)
-                head_times[t].append(head)
-    layer_min = [min(layer_times[t]) / m.num_layers for t in tokens]
-    head_min = [min(head_times[t]) for t in tokens]
+    probes = {}
+    for t in tokens:
+        probes[("layers", t)] = lambda t=t: layers(t)
+        probes[("head", t)] = lambda t=t: m.exit_logits(hidden_in[:, :t])
+    found = _interleaved_minima(probes, device, repeats)
+    layer_min = [found[("layers", t)] / m.num_layers for t in tokens]
+    head_min = [found[("head", t)] for t in tokens]
     step = layer_min[0] * m.num_layers + head_min[0]
     return CostModel(
         m.num_layers,
@@ -216,6 +236,39 @@ def measure_costs(
         "measured",
         step,
     )
+
+
+@torch.inference_mode()
+def measure_exit_draft(
+    m: EarlyExitModel, exit_layer: int, *, adapter, vocab: torch.Tensor | None = None, repeats: int = 7
+) -> float:
+    """One token drafted through ``adapter`` at ``exit_layer`` (its blocks, the adapter with its cache layer,
+    the head over ``vocab``, the softmax a confidence needs) over one plain decoding step, both timed on the
+    same cache, interleaved; kept on the model per adapter, vocabulary, engine and thread count."""
+    engine = m.engine
+    key = ("exit_draft", exit_layer, id(adapter), None if vocab is None else id(vocab),
+           None if engine is None else engine.options, torch.get_num_threads(), str(m.device))
+    if key in m.measurements:
+        return m.measurements[key]
+    cache, ids, pos, context = _probe_cache(m, PROBE_CONTEXT, 1, adapter)
+    valid = torch.ones(1, 1, dtype=torch.bool, device=m.device)
+
+    def begin() -> torch.Tensor:
+        cache.crop(context)
+        cache.reserve(valid, context, pos)
+        return m.embed(ids, pos)
+
+    def step() -> None:
+        m.exit_logits(m.run_layers(begin(), 0, m.num_layers, pos, cache=cache)[:, -1])
+
+    def draft() -> None:
+        hidden = adapter(m, m.run_layers(begin(), 0, exit_layer, pos, cache=cache), pos, cache=cache)
+        head = m.exit_logits if vocab is None else (lambda h: m.exit_logits_subset(h, vocab))
+        head(hidden[:, -1]).softmax(-1).argmax(-1)
+
+    found = _interleaved_minima({"step": step, "draft": draft}, m.device, repeats)
+    m.measurements[key] = found["draft"] / found["step"]
+    return m.measurements[key]
 
 
 def decoding_costs(m: EarlyExitModel, source: str = "measured") -> CostModel:

@@ -88,10 +88,11 @@ def test_one_definition_of_a_block_and_the_estimate(tiny_llama):
         m.lm_head.weight.numel() / step
     )
     adapter = build_adapter(m, 2)
-    with_adapter = exit_draft_cost(est, m, 2, adapter_parameters=adapter.num_parameters(), head_rows=50)
+    with_adapter = exit_draft_cost(est, m, 2, adapter=adapter, vocab=torch.arange(50))
     assert with_adapter == pytest.approx(
         est.draft_token(2, head_rows=50, extra_blocks=adapter.num_parameters() / block)
     )
+    assert exit_draft_cost(est, m, 2, vocab=torch.arange(50)) == pytest.approx(est.draft_token(2, head_rows=50))
 
 
 def test_measured_costs_are_timed_once_per_model_engine_and_threads():
@@ -107,6 +108,10 @@ def test_measured_costs_are_timed_once_per_model_engine_and_threads():
     finally:
         torch.set_num_threads(threads)
     assert cost_model(m, "estimated").source == "estimated"
+    # An adapter's drafted token is timed on the model (its attention, cache layer and call), once.
+    adapter = build_adapter(m, 2).eval()
+    timed = exit_draft_cost(costs, m, 2, adapter=adapter)
+    assert 0 < timed < 2 and exit_draft_cost(costs, m, 2, adapter=adapter) == timed
     with pytest.raises(ConfigError, match="Unknown cost model source 'guessed'"):
         cost_model(m, "guessed")
 

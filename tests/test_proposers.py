@@ -118,7 +118,7 @@ def test_every_proposer_reports_its_vocabulary_and_cost(tmp_path):
     path = str(save_adapter(adapter, tmp_path / "E2", m, vocab=torch.arange(5, 45)))
     through = exit_proposer(m, prompts, replace(cfg, exit_layer=None, adapter=path), gen)
     assert through.name == "adapter" and through.vocab.tolist() == list(range(5, 45))
-    expected = exit_draft_cost(costs, m, 2, adapter_parameters=adapter.num_parameters(), head_rows=40)
+    expected = exit_draft_cost(costs, m, 2, adapter=through.adapter, vocab=through.vocab)
     assert through.token_cost() == pytest.approx(expected)
     assert expected < costs.draft_token(2, extra_blocks=adapter.num_parameters() / block_parameters(m))
     chain = exit_proposer(m, prompts, replace(cfg, exit_layer=None, adapter=path, chain=True), gen)
@@ -149,6 +149,9 @@ def test_drafting_through_an_adapter_scores_only_its_own_vocabulary(tmp_path, mo
 
     monkeypatch.setattr(EarlyExitModel, "exit_logits_subset", spy)
     prompts = random_prompts(3, seed=2)
+    DECODERS["self_speculative"](m, prompts, DecodeConfig(max_new_tokens=12, adapter=path))
+    assert seen and all(ids == vocab.tolist() for ids in seen)  # the cost model timed the same head
+    seen.clear()
     out = DECODERS["self_speculative"](m, prompts, DecodeConfig(max_new_tokens=12, adapter=path))
     assert out.tokens == autoregressive(m, prompts, DecodeConfig(max_new_tokens=12)).tokens
     assert seen and all(ids == vocab.tolist() for ids in seen) and len(seen) == sum(out.drafted) // 3

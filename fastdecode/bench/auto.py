@@ -30,6 +30,8 @@ from fastdecode.bench.config import (
 from fastdecode.checkpoint_info import recorded_acceptance
 from fastdecode.choose import Plan, choose_exit, plan_decoding, recorded_adapter
 from fastdecode.cost import CostModel, decoding_costs, exit_draft_cost
+from fastdecode.draft_vocab_file import load_draft_vocab
+from fastdecode.exit_adapter import load_adapter
 from fastdecode.model import EarlyExitModel
 
 AUTO_PREFIX = "auto:"  # the names of the auto method's candidates: auto:<candidate.name>
@@ -53,18 +55,14 @@ def _recorded(
     options, exit_layer = method.options, method.exit_layer
     if options.get("adapter") is not None:
         found = recorded_adapter(options["adapter"])
-        token = exit_draft_cost(
-            costs, m, found.exit_layer, adapter_parameters=found.parameters, head_rows=found.head_rows
-        )
-        return found.agreement, token
+        adapter, _, vocab = load_adapter(found.path, m)
+        return found.agreement, exit_draft_cost(costs, m, found.exit_layer, adapter=adapter, vocab=vocab)
     if exit_layer is None:
         return None, 0.0
-    rows = None
+    vocab = None
     if options.get("draft_vocab") and Path(options["draft_vocab"]).is_file():  # else the decoder names it
-        from fastdecode.draft_vocab_file import load_draft_vocab
-
-        rows = len(load_draft_vocab(options["draft_vocab"])[0])
-    return (acceptance or {}).get(exit_layer), exit_draft_cost(costs, m, exit_layer, head_rows=rows)
+        vocab = load_draft_vocab(options["draft_vocab"])[0]
+    return (acceptance or {}).get(exit_layer), exit_draft_cost(costs, m, exit_layer, vocab=vocab)
 
 
 def resolve_draft_tokens(

@@ -267,9 +267,7 @@ class ExitProposer(ModelProposer):
         return state
 
     def token_cost(self) -> float:
-        params = 0 if self.adapter is None else self.adapter.num_parameters()
-        rows = None if self.vocab is None else len(self.vocab)
-        return exit_draft_cost(self.costs, self.model, self.depth, adapter_parameters=params, head_rows=rows)
+        return exit_draft_cost(self.costs, self.model, self.depth, adapter=self.adapter, vocab=self.vocab)
 
     def _draft(self, tokens, probs, hidden, *, layers_run: int, layer_calls: int, sources=None) -> Draft:
         return Draft(tokens, probs, None, hidden, self.depth, sources, layers_run, layer_calls)
