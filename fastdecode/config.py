@@ -103,9 +103,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
 def to_dataclass(cls: type[T], node: Any, where: str = "config") -> T:
     """Build dataclass ``cls`` from a mapping, rejecting unknown keys and wrongly typed values.
 
-    ``where`` is the dotted path of ``node`` in the full config, used in error messages. A class may list
-    keys it once had in a ``RENAMED`` class attribute (old key -> new dotted key): those fail naming the new
-    key, rather than with a guess at the closest one.
+    ``where`` is the dotted path of ``node`` in the full config, used in error messages.
     """
     node = to_plain(node)
     if isinstance(node, cls):
@@ -119,9 +117,6 @@ def to_dataclass(cls: type[T], node: Any, where: str = "config") -> T:
     kwargs = {}
     for key, value in node.items():
         path = f"{where}.{key}" if where else str(key)
-        if key not in fields and key in getattr(cls, "RENAMED", {}):
-            new = f"{where}.{cls.RENAMED[key]}" if where else cls.RENAMED[key]
-            raise ConfigError(f"Key '{path}' was renamed: use '{new}' (the same value).")
         if key not in fields:
             raise ConfigError(
                 f"Unknown key '{path}'.{_suggest(str(key), list(fields))} "

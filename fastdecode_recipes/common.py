@@ -93,21 +93,6 @@ def check_trainer_keys(trainer: dict) -> None:
             )
 
 
-def latest_checkpoint(output_dir: str | Path) -> str | None:
-    """The newest complete ``checkpoint-N`` folder in ``output_dir`` (by N), or None (``resume.py``)."""
-    from fastdecode_recipes.resume import latest_complete_checkpoint
-
-    return latest_complete_checkpoint(output_dir)
-
-
-def resolve_resume(job: TrainJob) -> str | None:
-    """``auto`` -> the newest complete checkpoint in output_dir (None on a fresh run); a PATH must be a
-    complete checkpoint (``resume.py``)."""
-    from fastdecode_recipes.resume import resolve_resume as resolve
-
-    return resolve(job.resume_from_checkpoint, job.output_dir)
-
-
 def training_arguments(job: TrainJob, **overrides: Any):
     """``transformers.TrainingArguments`` from the trainer group plus the job-level fields."""
     from transformers import TrainingArguments

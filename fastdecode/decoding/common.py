@@ -15,7 +15,6 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
@@ -62,15 +61,6 @@ class DecodeConfig:
     chain: bool = False
     costs: str = "measured"
 
-    # The flat keys of the per-decoder options before they were nested: ``to_dataclass`` names the new key.
-    RENAMED: ClassVar[dict[str, str]] = {
-        "skip_max_budget": "skip.max_budget",
-        "skip_min_budget": "skip.min_budget",
-        "skip_warmup_layers": "skip.warmup_layers",
-        "skip_max_length": "skip.max_length",
-        "jacobi_block": "jacobi.block",
-        "jacobi_init": "jacobi.init",
-    }
     # execution engine (fastdecode/engine.py); null = the default for the device (CPU: on; CUDA: off)
     fast_layers: bool | None = None  # lean layers over fused projections (Llama/Mistral/Qwen2 families)
     fast_linear: bool | None = None  # pre-packed CPU kernels for every projection and the LM head
