@@ -250,6 +250,33 @@ def test_no_relative_imports():
         assert not relative, f"{path.relative_to(ROOT)} line(s) {relative}: {OTHER_RULES[2]}"
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_private_names_imported_from_another_module():
+    """A name another module needs is public: no ``from ours import _helper`` (nor ``import ours._module``)
+    anywhere in the library packages, the entry points or the tests."""
+    ours = {*LIBRARY, *ENTRY, "tests"}
+    roots = [*LIBRARY, *sorted(ENTRY - {"train", "collect_jacobi"}), "tests"]
+    paths = [p for root in roots for p in _sources(root)] + sorted(ROOT.glob("*.py"))
+    bad = []
+    for path in paths:
+        for node in _import_nodes(path):
+            if isinstance(node, ast.ImportFrom):
+                if node.level or (node.module or "").split(".")[0] not in ours:
+                    continue
+                dotted = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                dotted = [alias.name for alias in node.names if alias.name.split(".")[0] in ours]
+            bad += [
+                f"{path.relative_to(ROOT)}:{node.lineno} imports {name}"
+                for name in dotted
+                if any(_private(part) for part in name.split("."))
+            ]
+    assert not bad, "private names imported from another module (make them public):\n" + "\n".join(bad)
+
+
 def test_the_rules_graph_sees_real_imports():
     """Guards the checker itself: known edges are found (a parser bug would pass every rule vacuously)."""
     assert "fastdecode.cache" in _graph()["fastdecode.model"]
