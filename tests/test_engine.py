@@ -235,6 +235,26 @@ def test_engine_config_errors_and_defaults():
     assert set(ENGINES["hf"]) == set(REFERENCE)
 
 
+@pytest.mark.parametrize("decoder", ["autoregressive", "prompt_lookup"])
+def test_the_check_changes_nothing_and_each_decoder_selects_its_engine(decoder):
+    """``check`` is pure; the engine a call decodes on is the decoder's explicit ``configure_engine``."""
+    from fastdecode.decoding.common import check
+
+    m = _fresh("tiny-llama")
+    prompts = random_prompts(2, seed=5, longest=6)
+    cfg = DecodeConfig(max_new_tokens=3, fast_layers=True, fast_linear=True, costs="estimated")
+    m.use_engine(None)
+    check(cfg, m, prompts)
+    assert m.engine is None  # validated, nothing switched
+    DECODERS[decoder](m, prompts, cfg)
+    assert m.engine is not None and m.engine.options == default_options(
+        m.device, True, True, None, None, False
+    )
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        DECODERS[decoder](m, [[m.vocab_size]], replace(cfg, fast_layers=False, fast_linear=False))
+    assert m.engine is not None  # a refused call leaves the engine alone
+
+
 # --------------------------------------------------------------------------------------------------------
 # Compiled path (slow: inductor compiles one graph per layer range and number of new tokens)
 @pytest.mark.slow

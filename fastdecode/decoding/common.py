@@ -182,7 +182,8 @@ class DecodeOutput:
 
 
 def configure_engine(m: EarlyExitModel, cfg: DecodeConfig) -> None:
-    """Select the model's execution engine for this call from ``cfg`` (``fastdecode/engine.py``)."""
+    """Select the model's execution engine for this call from ``cfg`` (``fastdecode/engine.py``): every decoder
+    calls it after its checks, before any work (the cost model measures the engine that decodes)."""
     m.use_engine(
         default_options(
             m.device, cfg.fast_layers, cfg.fast_linear, cfg.linear_kernel, cfg.static_cache, cfg.compile
@@ -191,8 +192,8 @@ def configure_engine(m: EarlyExitModel, cfg: DecodeConfig) -> None:
 
 
 def check(cfg: DecodeConfig, m: EarlyExitModel, prompts: list[list[int]] | None = None) -> None:
-    """Validate ``cfg`` (and ``prompts``) against the model before any work is done; with prompts (a decoding
-    call), also select the model's execution engine for the call (``configure_engine``)."""
+    """Validate ``cfg`` (and ``prompts``) against the model before any work is done; changes nothing. A
+    decoder then selects the execution engine for the call itself (``configure_engine``)."""
     num_layers = m.num_layers
     if cfg.exit_layer is not None and not 1 <= cfg.exit_layer <= num_layers - 1:
         raise ConfigError(
@@ -215,7 +216,6 @@ def check(cfg: DecodeConfig, m: EarlyExitModel, prompts: list[list[int]] | None 
             )
         if min(prompt) < 0 or max(prompt) >= m.vocab_size:
             raise ConfigError(f"prompt {i} has token ids outside the vocabulary [0, {m.vocab_size}).")
-    configure_engine(m, cfg)
 
 
 def refuse_draft_model(name: str, draft: EarlyExitModel | None) -> None:
