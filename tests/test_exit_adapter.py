@@ -153,6 +153,20 @@ def test_a_saved_and_loaded_adapter_gives_identical_drafts(tmp_path):
     assert a.accepted == b.accepted and a.oracle == b.oracle and a.tokens == b.tokens
 
 
+def test_an_adapter_saved_again_into_the_same_directory_is_loaded_again(tmp_path):
+    """Decoding loads an adapter once per model and version of its files (fastdecode/file_cache.py)."""
+    from fastdecode.exit_adapter import adapter_for_decoding
+
+    m = lively_model("tiny-llama", 0.1)
+    path = _saved(tmp_path, m, perturbed_adapter(m, 2, "block", seed=1), "E")
+    cfg = DecodeConfig(max_new_tokens=4, adapter=path)
+    first, _ = adapter_for_decoding(cfg, m)
+    assert adapter_for_decoding(cfg, m)[0] is first  # the same files: the same module
+    _saved(tmp_path, m, perturbed_adapter(m, 3, "attention", seed=2), "E")  # trained again, same place
+    second, _ = adapter_for_decoding(cfg, m)
+    assert second is not first and (second.exit_layer, second.kind) == (3, "attention")
+
+
 # --------------------------------------------------------------------------------------------------------
 # Training leaves the base model untouched
 
