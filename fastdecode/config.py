@@ -167,12 +167,12 @@ class ModelConfig:
         directory in the fastdecode cache and loaded from there afterwards (offline machines);
       - ``random``: a tiny random-init model built from ``random_init`` (HF config kwargs), no download.
 
-    ``family`` (the adapter family) may be left out: it is then ``config.model_type`` of the weights (a
+    ``family`` (the model family, ``fastdecode.model.FAMILIES``) may be left out: it is then ``config.model_type`` of the weights (a
     bring-your-own hub id or local directory needs nothing else); when set, the weights must agree.
     """
 
     name: str
-    family: str | None = None  # adapter family: llama | mistral | qwen2 | opt; None: config.model_type
+    family: str | None = None  # model family: llama | mistral | qwen2 | opt; None: config.model_type
     source: str = "hub"  # hub | pypi | random
     name_or_path: str | None = None
     revision: str | None = None

@@ -1,4 +1,4 @@
-"""The early-exit model adapter: the one module that touches Hugging Face model internals.
+"""The model (``EarlyExitModel``): the one module that touches Hugging Face model internals.
 
 Everything else in fastdecode (decoders, losses, training wrappers) sees a model as four operations:
 
@@ -107,7 +107,7 @@ class EarlyExitModel:
         attn = getattr(model.config, "_attn_implementation", "sdpa")
         if attn not in SUPPORTED_ATTENTION:
             raise ConfigError(
-                f"attn_implementation '{attn}' is not supported by the early-exit adapter "
+                f"attn_implementation '{attn}' is not supported by EarlyExitModel "
                 f"(it passes explicit 4D masks); use one of {SUPPORTED_ATTENTION} (model.attn_implementation)."
             )
         self.hf = model

@@ -105,7 +105,7 @@ def _offline_wandb(report_to: str | list[str] | None) -> None:
 
 @dataclasses.dataclass
 class PeftConfig:
-    """``configs/peft/<name>.yaml``: LoRA adapters through peft (merged into the weights on save by default)."""
+    """``configs/peft/<name>.yaml``: LoRA through peft (merged into the weights on save by default)."""
 
     method: str = "none"  # none | lora
     r: int = 16
@@ -120,7 +120,7 @@ class PeftConfig:
 
 
 def apply_peft(model, cfg: PeftConfig, gradient_checkpointing: bool = False):
-    """Wrap ``model`` with LoRA adapters (``peft.method=lora``); the model unchanged otherwise."""
+    """Wrap ``model`` with LoRA (``peft.method=lora``); the model unchanged otherwise."""
     if cfg.method == "none":
         return model
     from peft import LoraConfig, get_peft_model

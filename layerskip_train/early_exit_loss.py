@@ -231,7 +231,7 @@ def early_exit_loss(
     """Weighted early-exit loss ``sum_l w_l * loss_l``, chunked and recomputed (see the module docstring).
 
     Args:
-        m: the early-exit adapter (final norm + shared LM head).
+        m: the model (``EarlyExitModel``: final norm + shared LM head).
         hiddens: ``{l: [B, T, H]}`` residual stream after block ``l`` (``run_with_layer_dropout``).
         labels: ``[B, T]`` HF-style, aligned with the inputs (shifted here); ``-100`` ignored.
         weights: per exit, a mapping ``{l: w}`` or a sequence aligned with ``sorted(hiddens)``

@@ -190,7 +190,7 @@ def _imports_shared_training(name: str) -> bool:
 
 
 def test_fastdecode_core_never_imports_the_training_layer():
-    """Only ``fastdecode/training/`` itself; the adapter, data, decoders and reports stay Trainer-free."""
+    """Only ``fastdecode/training/`` itself; the model, data, decoders and reports stay Trainer-free."""
     training_dir = ROOT / "fastdecode" / "training"
     for path in _sources("fastdecode"):
         if training_dir in path.parents:
@@ -207,7 +207,7 @@ def test_the_training_layer_imports_only_fastdecode_core():
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
-def test_only_the_adapter_imports_hf_modeling_code():
+def test_only_the_model_module_imports_hf_modeling_code():
     """HF model internals (transformers.models.*) are touched by fastdecode/model.py alone."""
     allowed = {ROOT / "fastdecode" / "model.py"}
     for package in FORBIDDEN:

@@ -92,7 +92,7 @@ def test_fused_projection_is_the_side_by_side_outputs():
 # --------------------------------------------------------------------------------------------------------
 # Engine layers against HF's layers
 def _fresh(name: str) -> EarlyExitModel:
-    return EarlyExitModel(lively_model(name).hf)  # a new adapter (own engines) over the shared lively weights
+    return EarlyExitModel(lively_model(name).hf)  # a new one (own engines) over the shared lively weights
 
 
 @pytest.mark.parametrize("variant", ENGINE_OPTIONS)

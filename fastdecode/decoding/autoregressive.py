@@ -1,4 +1,4 @@
-"""Autoregressive decoding on the adapter and the explicit cache: the baseline the other strategies match.
+"""Autoregressive decoding on the model and the explicit cache: the baseline the other strategies match.
 
 With ``cfg.exit_layer = E`` this is pure early exit: every token (prompt included) runs only layers ``< E``
 and the shared exit head. That is lossy, and the cache's layers ``>= E`` are never written, so such a cache
