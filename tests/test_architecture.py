@@ -277,6 +277,30 @@ def test_no_private_names_imported_from_another_module():
     assert not bad, "private names imported from another module (make them public):\n" + "\n".join(bad)
 
 
+def _console_scripts() -> dict[str, str]:
+    """``[project.scripts]`` of pyproject.toml: script name -> ``module:function``."""
+    section = (ROOT / "pyproject.toml").read_text().split("[project.scripts]\n")[1].split("\n[")[0]
+    pairs = [line.split("=", 1) for line in section.splitlines() if "=" in line]
+    return {name.strip(): target.strip().strip('"') for name, target in pairs}
+
+
+def test_every_command_is_a_console_script_and_a_thin_file():
+    """One kind of entry point: the root scripts and ``eval/*.py`` define nothing, they import the ``main`` of
+    a console script's module (``fastdecode_cli``); the programs live in the packages."""
+    scripts = _console_scripts()
+    modules = {target.split(":")[0] for target in scripts.values()}
+    assert all(m.startswith("fastdecode_cli.") and _is_module(m) for m in modules), scripts
+    files = [ROOT / "train.py", ROOT / "collect_jacobi.py", *sorted((ROOT / "eval").glob("*.py"))]
+    for path in [p for p in files if p.name != "__init__.py"]:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        assert not defined, (
+            f"{path.relative_to(ROOT)} defines {defined}: move the program into fastdecode_cli"
+        )
+        called = {n.module for n in _import_nodes(path) if isinstance(n, ast.ImportFrom) and n.module}
+        assert called & modules, f"{path.relative_to(ROOT)} calls no console script's module"
+
+
 def test_the_rules_graph_sees_real_imports():
     """Guards the checker itself: known edges are found (a parser bug would pass every rule vacuously)."""
     assert "fastdecode.cache" in _graph()["fastdecode.model"]
