@@ -168,6 +168,7 @@ def generation_features(
     exits: list[int],
     top_k: int,
     dtype: torch.dtype,
+    *,
     max_new_tokens: int,
     eos: set[int],
 ) -> list[dict[str, torch.Tensor]]:
@@ -276,7 +277,13 @@ def build_features(
             if fcfg.source == "generate":
                 prompts = [ex["input_ids"] for ex in batch]
                 records = generation_features(
-                    m, prompts, cached_exits, fcfg.top_k, dtype, fcfg.max_new_tokens, eos or set()
+                    m,
+                    prompts,
+                    cached_exits,
+                    fcfg.top_k,
+                    dtype,
+                    max_new_tokens=fcfg.max_new_tokens,
+                    eos=eos or set(),
                 )
             else:
                 records = batch_features(m, batch, cached_exits, fcfg.top_k, dtype)

@@ -68,6 +68,7 @@ class ConsistencyLM(WrappedLM):
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
+        *,
         states: torch.Tensor,
         first_mismatch: torch.Tensor,
         block_len: torch.Tensor,

@@ -163,7 +163,15 @@ class ExitAdapter(nn.Module):
     ) -> torch.Tensor:
         """Adapted residual stream ``[B, T, H]`` of exit hidden states ``hidden [B, T, H]``; with a cache the
         T positions take the next slots of cache layer ``slot`` (reserved by the caller, as for any layer)."""
-        return m.run_block(self.block, hidden, position_ids, self.slot, self.window, attention_mask, cache)
+        return m.run_block(
+            self.block,
+            hidden,
+            position_ids,
+            self.slot,
+            self.window,
+            attention_mask=attention_mask,
+            cache=cache,
+        )
 
     @staticmethod
     def logits(m: EarlyExitModel, adapted: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:

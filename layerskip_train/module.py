@@ -58,7 +58,7 @@ class EarlyExitLM(WrappedLM):
         """
         ee = self.cfg.early_exit_loss
         return active_exits(
-            ee.curriculum, self.candidate_exits, self.m.num_layers, step, self.total_steps, ee.stride
+            ee.curriculum, self.candidate_exits, self.m.num_layers, step, self.total_steps, stride=ee.stride
         )
 
     def drops_at(self, step: int, micro_step: int, batch: int) -> torch.Tensor | None:
@@ -83,6 +83,7 @@ class EarlyExitLM(WrappedLM):
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        *,
         step: int = 0,
         micro_step: int = 0,
         num_items_in_batch: int | torch.Tensor | None = None,

@@ -301,6 +301,34 @@ def test_every_command_is_a_console_script_and_a_thin_file():
         assert called & modules, f"{path.relative_to(ROOT)} calls no console script's module"
 
 
+# Public functions still taking more than 5 positional parameters because callers in fastdecode_recipes'
+# method modules (layerskip.py, exit_adapter.py, exit_adapter_report.py: moved into the method packages by the
+# other half of issue 20) pass them positionally. Make them keyword-only past the fifth and empty this set.
+WIDE_UNTIL_THE_RECIPES_MOVE = {
+    "adapter_train/features.py:build_features",
+    "fastdecode/exit_adapter.py:save_adapter",
+    "fastdecode/exit_report.py:exit_report",
+    "fastdecode_recipes/exit_adapter_report.py:report",
+    "layerskip_train/early_exit_loss.py:active_exits",
+}
+
+
+def test_public_functions_take_at_most_five_positional_parameters():
+    """Past the fifth, parameters are keyword-only (methods: not counting ``self``/``cls``)."""
+    wide = []
+    for package in [*LIBRARY, *sorted(ENTRY - {"train", "collect_jacobi"})]:
+        for path in _sources(package):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                    continue
+                args = node.args.posonlyargs + node.args.args
+                positional = [a.arg for a in args if a.arg not in ("self", "cls")]
+                where = f"{path.relative_to(ROOT).as_posix()}:{node.name}"
+                if len(positional) > 5 and where not in WIDE_UNTIL_THE_RECIPES_MOVE:
+                    wide.append(f"{where} (line {node.lineno}): {len(positional)} positional")
+    assert not wide, "make the parameters past the fifth keyword-only (add *):\n" + "\n".join(wide)
+
+
 def test_the_rules_graph_sees_real_imports():
     """Guards the checker itself: known edges are found (a parser bug would pass every rule vacuously)."""
     assert "fastdecode.cache" in _graph()["fastdecode.model"]

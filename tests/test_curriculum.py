@@ -205,7 +205,8 @@ def test_the_recipe_trains_torchtunes_masks_through_the_config():
     )
     ee = cfg.early_exit_loss
     got = [
-        active_exits(ee.curriculum, parse_layers(ee.layers, 8), 8, s, 100, ee.stride) for s in range(STEPS)
+        active_exits(ee.curriculum, parse_layers(ee.layers, 8), 8, s, 100, stride=ee.stride)
+        for s in range(STEPS)
     ]
     assert got == _sets(TORCHTUNE_ROTATIONAL[8, "0::4"])
 
@@ -299,7 +300,8 @@ def test_no_shipped_config_leaves_a_step_without_an_early_exit(name, overrides, 
     starved = [
         step
         for step in range(2 * num_layers)
-        if active_exits(ee.curriculum, candidates, num_layers, step, total, ee.stride) == [num_layers - 1]
+        if active_exits(ee.curriculum, candidates, num_layers, step, total, stride=ee.stride)
+        == [num_layers - 1]
     ]
     assert starved == [], f"{name}: only the last exit trains at steps {starved}"
 

@@ -248,7 +248,7 @@ def test_the_check_changes_nothing_and_each_decoder_selects_its_engine(decoder):
     assert m.engine is None  # validated, nothing switched
     DECODERS[decoder](m, prompts, cfg)
     assert m.engine is not None and m.engine.options == default_options(
-        m.device, True, True, None, None, False
+        m.device, fast_layers=True, fast_linear=True
     )
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         DECODERS[decoder](m, [[m.vocab_size]], replace(cfg, fast_layers=False, fast_linear=False))

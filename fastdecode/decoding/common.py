@@ -186,7 +186,12 @@ def configure_engine(m: EarlyExitModel, cfg: DecodeConfig) -> None:
     calls it after its checks, before any work (the cost model measures the engine that decodes)."""
     m.use_engine(
         default_options(
-            m.device, cfg.fast_layers, cfg.fast_linear, cfg.linear_kernel, cfg.static_cache, cfg.compile
+            m.device,
+            fast_layers=cfg.fast_layers,
+            fast_linear=cfg.fast_linear,
+            kernel=cfg.linear_kernel,
+            static_cache=cfg.static_cache,
+            compile=cfg.compile,
         )
     )
 
