@@ -222,40 +222,15 @@ def _recipe(*overrides: str) -> LayerSkipConfig:
     return to_dataclass(LayerSkipConfig, load_job(_compose(*overrides)).recipe, "recipe")
 
 
-@pytest.mark.parametrize("curriculum", ["rotational", "rot"])
-def test_old_rotation_key_with_rotational_names_the_fix(curriculum):
-    with pytest.raises(ConfigError) as err:
-        _recipe(f"recipe.early_exit_loss.curriculum={curriculum}", "recipe.early_exit_loss.rotation=4")
-    msg = str(err.value)
-    assert "recipe.early_exit_loss.rotation=4 is no longer read" in msg
-    assert "recipe.early_exit_loss.curriculum=strided and recipe.early_exit_loss.stride=4" in msg
-    assert "torchtune" in msg and "delete recipe.early_exit_loss.rotation" in msg
+def test_rotation_is_not_a_key():
+    """``stride`` is the strided curriculum's R; no other name reads it."""
+    with pytest.raises(ConfigError, match=r"Unknown key 'recipe\.early_exit_loss\.rotation'.*stride"):
+        to_dataclass(EarlyExitLossConfig, {"curriculum": "strided", "rotation": 2}, "recipe.early_exit_loss")
 
 
-@pytest.mark.parametrize(
-    "curriculum, fix",
-    [
-        ("strided", "write recipe.early_exit_loss.stride=2 instead"),
-        (
-            "none",
-            "delete recipe.early_exit_loss.rotation, or write recipe.early_exit_loss.curriculum=strided",
-        ),
-        (
-            "gradual",
-            "delete recipe.early_exit_loss.rotation, or write recipe.early_exit_loss.curriculum=strided",
-        ),
-    ],
-)
-def test_old_rotation_key_with_other_curricula_is_refused_too(curriculum, fix):
-    with pytest.raises(ConfigError, match="renamed to recipe.early_exit_loss.stride") as err:
-        to_dataclass(EarlyExitLossConfig, {"curriculum": curriculum, "rotation": 2}, "recipe.early_exit_loss")
-    assert fix in str(err.value)
-
-
-def test_strided_is_the_default_and_keeps_the_old_default_schedule():
-    """The shipped default was ``rotational`` + ``rotation: 4`` (our stride); it is now spelt ``strided``."""
+def test_strided_is_the_default():
     ee = _recipe().early_exit_loss
-    assert (ee.curriculum, ee.stride, ee.rotation, ee.layers) == ("strided", 4, None, ":")
+    assert (ee.curriculum, ee.stride, ee.layers) == ("strided", 4, ":")
     assert EarlyExitLossConfig().curriculum == "strided" and EarlyExitLossConfig().stride == 4
     with pytest.raises(ConfigError, match="stride must be >= 1"):
         _recipe("recipe.early_exit_loss.stride=0")

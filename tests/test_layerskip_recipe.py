@@ -200,7 +200,7 @@ def test_lora_adapters_train_merge_and_reload(tmp_path):
         ("recipe.layer_dropout.prob=-0.1", r"prob must be in \[0, 1\)"),
         ("recipe.early_exit_loss.scale_fn=log_l", r"Unknown early exit scale function 'log_l'.*Choices"),
         ("recipe.early_exit_loss.curriculum=cosine", r"Unknown curriculum 'cosine'.*rotational"),
-        ("recipe.early_exit_loss.rotation=4", r"rotation was renamed to recipe\.early_exit_loss\.stride"),
+        ("+recipe.early_exit_loss.rotation=4", r"Unknown key 'recipe\.early_exit_loss\.rotation'"),
         ("recipe.layer_dropout.layers_scale=cubic", r"Unknown .*'cubic'.*exp"),
         ("recipe.report.data=sharegtp", r"Unknown recipe.report.data 'sharegtp'.*sharegpt"),
     ],
