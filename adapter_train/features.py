@@ -168,6 +168,7 @@ def generation_features(
     exits: list[int],
     top_k: int,
     dtype: torch.dtype,
+    *,
     max_new_tokens: int,
     eos: set[int],
 ) -> list[dict[str, torch.Tensor]]:
@@ -239,6 +240,7 @@ def build_features(
     examples: list[dict],
     directory: str | Path,
     fcfg: FeatureConfig,
+    *,
     exits: list[int],
     data: Any,
     on_commit: Callable[[int], None] | None = None,
@@ -276,7 +278,13 @@ def build_features(
             if fcfg.source == "generate":
                 prompts = [ex["input_ids"] for ex in batch]
                 records = generation_features(
-                    m, prompts, cached_exits, fcfg.top_k, dtype, fcfg.max_new_tokens, eos or set()
+                    m,
+                    prompts,
+                    cached_exits,
+                    fcfg.top_k,
+                    dtype,
+                    max_new_tokens=fcfg.max_new_tokens,
+                    eos=eos or set(),
                 )
             else:
                 records = batch_features(m, batch, cached_exits, fcfg.top_k, dtype)

@@ -55,6 +55,7 @@ class AdapterLM(nn.Module):
         self,
         hidden: dict[str, torch.Tensor],
         position_ids: torch.Tensor,
+        *,
         rows: torch.Tensor,
         cols: torch.Tensor,
         targets: torch.Tensor,

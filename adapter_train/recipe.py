@@ -157,8 +157,8 @@ class ExitAdapterRecipe(Recipe):
             sources,
             self.feature_dir,
             rcfg.features,
-            rcfg.cached_exits(),
-            self.job.data,
+            exits=rcfg.cached_exits(),
+            data=self.job.data,
             eos=eos,
         )
         return FeatureDataset(self.reader, rcfg.exits, rcfg.loss.target), held_out
@@ -200,7 +200,7 @@ class ExitAdapterRecipe(Recipe):
             return None
         meta = self._meta(run)
         for e, adapter in self.adapters.items():
-            save_adapter(adapter.eval(), run.stage / f"E{e}", self.m, run.tokenizer, self.vocab, meta)
+            save_adapter(adapter.eval(), run.stage / f"E{e}", self.m, run.tokenizer, self.vocab, meta=meta)
         self.adapters = {
             e: load_adapter(run.stage / f"E{e}", self.m, run.tokenizer)[0] for e in self.adapters
         }
@@ -234,10 +234,10 @@ class ExitAdapterRecipe(Recipe):
             run.tokenizer,
             self.report_set,
             self.rcfg,
-            self.adapters,
-            self.vocab,
-            self.feature_dir,
-            run.stage,
+            adapters=self.adapters,
+            vocab=self.vocab,
+            feature_dir=self.feature_dir,
+            stage=run.stage,
         )
         return summary | fields | {"perplexity_before": run.before}
 

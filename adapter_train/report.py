@@ -41,6 +41,7 @@ def report(
     tokenizer: Any,
     report_set: list[dict],
     rcfg: ExitAdapterConfig,
+    *,
     adapters: dict[int, ExitAdapter],
     vocab: torch.Tensor | None,
     feature_dir: Path,

@@ -52,7 +52,7 @@ class ConsistencyLM(WrappedLM):
         Groups are right-padded to a common width; positions count real tokens from 0 in every row, so a left-
         padded prefix starts at position 0 as it did when the trajectory was collected.
         """
-        m = self.adapter
+        m = self.m
         width = max(ids.shape[1] for ids, _ in rows)
         ids = torch.cat([nn.functional.pad(i, (0, width - i.shape[1])) for i, _ in rows])  # [R, W]
         valid = torch.cat([nn.functional.pad(v, (0, width - v.shape[1])) for _, v in rows]).bool()
@@ -68,6 +68,7 @@ class ConsistencyLM(WrappedLM):
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
+        *,
         states: torch.Tensor,
         first_mismatch: torch.Tensor,
         block_len: torch.Tensor,
@@ -109,7 +110,7 @@ class ConsistencyLM(WrappedLM):
         if cfg.uses_ar:
             targets = next_token_targets(labels)
             keep = targets != IGNORE_INDEX
-            logits = self.adapter.exit_logits(hidden[1][keep])  # [N_AR, V]: the scored positions only
+            logits = self.m.exit_logits(hidden[1][keep])  # [N_AR, V]: the scored positions only
             ar = ar_loss(logits, targets[keep], cfg.label_smoothing, num_items_in_batch)
             loss = loss + cfg.ar_weight * ar.loss
             out["loss_ar"] = ar.mean
@@ -125,10 +126,10 @@ class ConsistencyLM(WrappedLM):
         """Sum of the consistency terms over the positions ``scored [B, W]`` of ``student [B, W, H]`` and
         each teacher ``[B, W, H]``; with the per-token means to log."""
         terms: dict[str, Term] = {}
-        student_logits = self.adapter.exit_logits(student[scored])  # [N_K, V]
+        student_logits = self.m.exit_logits(student[scored])  # [N_K, V]
         for kind, teacher in teachers.items():
             with torch.no_grad():
-                teacher_logits = self.adapter.exit_logits(teacher[scored])  # [N_K, V]
+                teacher_logits = self.m.exit_logits(teacher[scored])  # [N_K, V]
             terms[kind] = consistency_loss(student_logits, teacher_logits, num_items=num_items)
         out = {"loss_consistency": sum(t.mean for t in terms.values())}
         if len(terms) > 1:

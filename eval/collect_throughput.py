@@ -1,136 +1,18 @@
 """Trajectory collection throughput: ``python eval/collect_throughput.py model=smollm2-135m bench_prompts=8``.
 
-Runs our collector (batched, length-bucketed, KV cache, fast-forward) and the CLLM reference procedure
-(``reference_trajectories``: batch 1, no KV cache, every iteration re-encodes prompt ⊕ block) on the same
-prompts with the same seeded initial guesses, and reports fixed-point tokens per second of each, the speedup,
-and how many records agree (fixed points and whole state sequences; filters are off for both). Writes
-``collect_throughput.json`` into ``output_dir``.
+The same command as the console script ``fastdecode-collect-throughput``; the code is
+``fastdecode_cli/collect_throughput.py`` (the measurement: ``cllm_train/throughput.py``).
 """
 
-from __future__ import annotations
-
-import dataclasses
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydra  # noqa: E402
-import torch  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from fastdecode_cli.collect_throughput import main, run  # noqa: E402
 
-BENCH_KEYS = ("bench_prompts", "warmup")
-
-
-@torch.inference_mode()
-def reference_trajectories(
-    hf: Any, prompt: Any, n: int, init: str, max_new_seq_len: int, eos_ids: set[int], seed: int
-) -> list[dict]:
-    """The reference procedure for one ``Prompt``: records (schema of ``cllm_train/records.py``).
-
-    Each iteration runs the whole ``prefix ⊕ y`` through the HF model and takes ``y' = argmax`` at the block
-    positions shifted by one, until ``y' == y``; the converged block extends the prefix.
-    """
-    from cllm_train.trajectories import make_record
-    from fastdecode.jacobi import Block, initial_guess, row_generator
-
-    prefix, records = list(prompt.ids), []
-    device = hf.device
-    while True:
-        generator = row_generator(seed, f"{prompt.id}:{len(records)}")
-        y = initial_guess(init, n, prefix, hf.get_output_embeddings().weight.shape[0], generator)
-        states = [y]
-        while True:
-            logits = hf(torch.tensor([prefix + y], device=device)).logits[0]  # [T, V]
-            new = logits[len(prefix) - 1 : len(prefix) - 1 + n].argmax(-1).tolist()
-            if new == y:
-                break
-            y = new
-            states.append(y)
-        records.append(make_record(prompt, len(records), prefix, Block(0, states, [], -1), eos_ids))
-        prefix += y
-        if records[-1]["eos"] or len(prefix) - len(prompt.ids) >= max_new_seq_len:
-            return records
-
-
-def _ours(m: Any, prompts: list, job: Any, eos_ids: set[int]) -> tuple[list[dict], int]:
-    from cllm_train.collect import plan_batches, solve_batch
-    from cllm_train.trajectories import FilterConfig
-
-    off = FilterConfig(max_repeat_run=None, ngram_size=None)
-    records, forwards = [], 0
-    for batch in plan_batches(prompts, job.batch_size):
-        result = solve_batch(m, batch, job, eos_ids, filters=off)
-        records += [rec for recs in result.records for rec in recs]
-        forwards += result.forwards
-    return records, forwards
-
-
-def _timed(fn: Any) -> tuple[Any, float]:
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
-def run(cfg: Any) -> dict:
-    """Time ours against the reference on ``bench_prompts`` prompts; returns (and writes) the report."""
-    from cllm_train.collect import CollectJob, build_prompts, eos_token_ids
-    from fastdecode.config import to_dataclass, to_plain
-    from fastdecode.io import atomic_write_json
-    from fastdecode.loading import load_model
-    from fastdecode.model import EarlyExitModel
-
-    plain = to_plain(cfg)
-    bench = {k: plain.pop(k) for k in BENCH_KEYS}
-    job = to_dataclass(CollectJob, plain, "")
-    if job.max_prompts is None:  # tokenize only what the benchmark can use (some prompts are too long)
-        job = dataclasses.replace(job, max_prompts=4 * bench["bench_prompts"])
-    hf, tokenizer = load_model(job.model)
-    m, eos_ids = EarlyExitModel(hf), eos_token_ids(hf, tokenizer)
-    prompts = build_prompts(job, tokenizer, hf.config.max_position_embeddings)[0][: bench["bench_prompts"]]
-    if bench["warmup"]:
-        short = dataclasses.replace(job, max_new_seq_len=job.block_size)
-        _ours(m, prompts[:1], short, eos_ids)
-        reference_trajectories(hf, prompts[0], job.block_size, job.init, job.block_size, eos_ids, job.seed)
-    (ours, forwards), ours_s = _timed(lambda: _ours(m, prompts, job, eos_ids))
-    ref_args = (job.block_size, job.init, job.max_new_seq_len, eos_ids, job.seed)
-    ref, ref_s = _timed(lambda: [r for p in prompts for r in reference_trajectories(hf, p, *ref_args)])
-    key = {(r["prompt_id"], r["block"]): r for r in ref}
-    same_fixed = sum(
-        key.get((r["prompt_id"], r["block"]), {}).get("fixed_point") == r["fixed_point"] for r in ours
-    )
-    same_states = sum(key.get((r["prompt_id"], r["block"]), {}).get("states") == r["states"] for r in ours)
-    tokens = sum(len(r["fixed_point"]) for r in ours)
-    report = {
-        "model": job.model.name,
-        "prompts": len(prompts),
-        "block_size": job.block_size,
-        "batch_size": job.batch_size,
-        "max_new_seq_len": job.max_new_seq_len,
-        "records": {"ours": len(ours), "reference": len(ref)},
-        "same_fixed_point": same_fixed,
-        "same_states": same_states,
-        "tokens": tokens,
-        "forwards": {"ours": forwards, "reference": sum(len(r["states"]) for r in ref)},
-        "seconds": {"ours": ours_s, "reference": ref_s},
-        "tokens_per_s": {
-            "ours": tokens / ours_s,
-            "reference": sum(len(r["fixed_point"]) for r in ref) / ref_s,
-        },
-    }
-    report["speedup"] = report["tokens_per_s"]["ours"] / report["tokens_per_s"]["reference"]
-    atomic_write_json(Path(job.output_dir) / "collect_throughput.json", report)
-    return report
-
-
-@hydra.main(config_path="../configs", config_name="collect_throughput", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    report = run(cfg)
-    print(OmegaConf.to_yaml(OmegaConf.create(report)))
-
+__all__ = ["main", "run"]
 
 if __name__ == "__main__":
     main()

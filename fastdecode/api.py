@@ -187,7 +187,7 @@ class FastDecoder:
         ``DecodeConfig``
         fields or their HF aliases. ``chat``: render texts through the chat template (None: when the tokenizer
         has one). ``streamer``: an HF-style streamer (``put(ids)``, ``end()``), batch 1 only."""
-        prompts, single, is_text = self._prompts(inputs, chat)
+        prompts, single = self._prompts(inputs, chat)
         if method == AUTO and not {"exit_layer", "assistant_early_exit", "adapter"} & set(options):
             best = self.plan().best
             method, options = best.method, best.options | options
@@ -236,23 +236,23 @@ class FastDecoder:
             )
         return cfg
 
-    def _prompts(self, inputs: Any, chat: bool | None) -> tuple[list[list[int]], bool, bool]:
-        """(token-id prompts, one prompt given, given as text)."""
+    def _prompts(self, inputs: Any, chat: bool | None) -> tuple[list[list[int]], bool]:
+        """(token-id prompts, one prompt given)."""
         if isinstance(inputs, str):
-            return [self._encode(inputs, chat)], True, True
+            return [self._encode(inputs, chat)], True
         if isinstance(inputs, dict) or hasattr(inputs, "keys"):  # a tokenizer's BatchEncoding
             ids, mask = torch.as_tensor(inputs["input_ids"]), inputs.get("attention_mask")
             mask = torch.ones_like(ids) if mask is None else torch.as_tensor(mask)
             ids, mask = ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, ids.shape[-1])
-            return [row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True)], False, False
+            return [row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True)], False
         if isinstance(inputs, torch.Tensor):
-            return (inputs.tolist() if inputs.dim() == 2 else [inputs.tolist()]), inputs.dim() == 1, False
+            return (inputs.tolist() if inputs.dim() == 2 else [inputs.tolist()]), inputs.dim() == 1
         if isinstance(inputs, list) and inputs and all(isinstance(x, str) for x in inputs):
-            return [self._encode(text, chat) for text in inputs], False, True
+            return [self._encode(text, chat) for text in inputs], False
         if isinstance(inputs, list) and inputs and all(isinstance(x, int) for x in inputs):
-            return [list(inputs)], True, False
+            return [list(inputs)], True
         if isinstance(inputs, list) and inputs and all(isinstance(x, list) for x in inputs):
-            return [list(row) for row in inputs], False, False
+            return [list(row) for row in inputs], False
         raise ConfigError(
             "generate(): inputs must be a text, a list of texts, token ids, a batch of token-id lists, a tensor "
             f"or a tokenizer batch; got {type(inputs).__name__}."

@@ -210,6 +210,7 @@ def attention_mask(
     num_queries: int,
     dtype: torch.dtype,
     window: int | None = None,
+    *,
     key_pos: torch.Tensor | None = None,
     query_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:

@@ -24,7 +24,8 @@ class ConfigError(ValueError):
     """A configuration value or key is wrong; the message says which and how to fix it."""
 
 
-def _suggest(key: str, choices: list[str]) -> str:
+def did_you_mean(key: str, choices: list[str]) -> str:
+    """`` Did you mean '<closest choice>'?`` for an unknown ``key``, or an empty string when none is close."""
     close = difflib.get_close_matches(key, choices, n=1)
     return f" Did you mean '{close[0]}'?" if close else ""
 
@@ -32,7 +33,7 @@ def _suggest(key: str, choices: list[str]) -> str:
 def unknown_name_error(kind: str, name: str, choices: list[str], how: str = "") -> ConfigError:
     """The error for a name that is not one of ``choices`` (model, dataset, recipe, decoder, ...)."""
     listed = ", ".join(sorted(choices)) or "(none)"
-    msg = f"Unknown {kind} '{name}'.{_suggest(name, list(choices))} Choices: {listed}."
+    msg = f"Unknown {kind} '{name}'.{did_you_mean(name, list(choices))} Choices: {listed}."
     return ConfigError(msg + (f" {how}" if how else ""))
 
 
@@ -47,7 +48,9 @@ def to_plain(node: Any) -> Any:
     return node
 
 
-def _convert(value: Any, tp: Any, where: str) -> Any:
+def convert_value(value: Any, tp: Any, where: str) -> Any:
+    """``value`` checked against the type hint ``tp`` (dataclasses built, lists, Literals; ints kept apart
+    from bools); ConfigError naming ``where`` when it does not fit."""
     origin = get_origin(tp)
     if tp is Any:
         return value
@@ -60,7 +63,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _convert(value, arg, where)
+                return convert_value(value, arg, where)
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
@@ -70,7 +73,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}.")
         (item,) = get_args(tp)[:1] or (Any,)
-        items = [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        items = [convert_value(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
@@ -103,9 +106,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
 def to_dataclass(cls: type[T], node: Any, where: str = "config") -> T:
     """Build dataclass ``cls`` from a mapping, rejecting unknown keys and wrongly typed values.
 
-    ``where`` is the dotted path of ``node`` in the full config, used in error messages. A class may list
-    keys it once had in a ``RENAMED`` class attribute (old key -> new dotted key): those fail naming the new
-    key, rather than with a guess at the closest one.
+    ``where`` is the dotted path of ``node`` in the full config, used in error messages.
     """
     node = to_plain(node)
     if isinstance(node, cls):
@@ -119,15 +120,12 @@ def to_dataclass(cls: type[T], node: Any, where: str = "config") -> T:
     kwargs = {}
     for key, value in node.items():
         path = f"{where}.{key}" if where else str(key)
-        if key not in fields and key in getattr(cls, "RENAMED", {}):
-            new = f"{where}.{cls.RENAMED[key]}" if where else cls.RENAMED[key]
-            raise ConfigError(f"Key '{path}' was renamed: use '{new}' (the same value).")
         if key not in fields:
             raise ConfigError(
-                f"Unknown key '{path}'.{_suggest(str(key), list(fields))} "
+                f"Unknown key '{path}'.{did_you_mean(str(key), list(fields))} "
                 f"Valid keys of {where or 'the config'}: {', '.join(sorted(fields))}."
             )
-        kwargs[key] = _convert(value, hints[key], path)
+        kwargs[key] = convert_value(value, hints[key], path)
     missing = [
         name
         for name, f in fields.items()
@@ -169,12 +167,12 @@ class ModelConfig:
         directory in the fastdecode cache and loaded from there afterwards (offline machines);
       - ``random``: a tiny random-init model built from ``random_init`` (HF config kwargs), no download.
 
-    ``family`` (the adapter family) may be left out: it is then ``config.model_type`` of the weights (a
+    ``family`` (the model family, ``fastdecode.model.FAMILIES``) may be left out: it is then ``config.model_type`` of the weights (a
     bring-your-own hub id or local directory needs nothing else); when set, the weights must agree.
     """
 
     name: str
-    family: str | None = None  # adapter family: llama | mistral | qwen2 | opt; None: config.model_type
+    family: str | None = None  # model family: llama | mistral | qwen2 | opt; None: config.model_type
     source: str = "hub"  # hub | pypi | random
     name_or_path: str | None = None
     revision: str | None = None

@@ -180,7 +180,9 @@ def _probe_cache(m: EarlyExitModel, context: int, steps: int, adapter=None):
     cache = m.new_cache(1, ids.shape[1] + 1, extra_layers=0 if adapter is None else 1)
     cache.reserve(torch.ones(1, context, dtype=torch.bool, device=device), 0, pos[:, :context])
     split = m.num_layers if adapter is None else adapter.exit_layer
-    hidden = m.run_layers(m.embed(ids[:, :context], pos[:, :context]), 0, split, pos[:, :context], cache=cache)
+    hidden = m.run_layers(
+        m.embed(ids[:, :context], pos[:, :context]), 0, split, pos[:, :context], cache=cache
+    )
     if adapter is not None:
         adapter(m, hidden, pos[:, :context], cache=cache)
     m.run_layers(hidden, split, m.num_layers, pos[:, :context], cache=cache)
@@ -246,8 +248,15 @@ def measure_exit_draft(
     the head over ``vocab``, the softmax a confidence needs) over one plain decoding step, both timed on the
     same cache, interleaved; kept on the model per adapter, vocabulary, engine and thread count."""
     engine = m.engine
-    key = ("exit_draft", exit_layer, id(adapter), None if vocab is None else id(vocab),
-           None if engine is None else engine.options, torch.get_num_threads(), str(m.device))
+    key = (
+        "exit_draft",
+        exit_layer,
+        id(adapter),
+        None if vocab is None else id(vocab),
+        None if engine is None else engine.options,
+        torch.get_num_threads(),
+        str(m.device),
+    )
     if key in m.measurements:
         return m.measurements[key]
     cache, ids, pos, context = _probe_cache(m, PROBE_CONTEXT, 1, adapter)

@@ -56,6 +56,7 @@ class EngineOptions:
 
 def default_options(
     device: torch.device,
+    *,
     fast_layers: bool | None = None,
     fast_linear: bool | None = None,
     kernel: str | None = None,

@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from torch import nn
 
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE, load_draft_vocab, save_draft_vocab
+from fastdecode.file_cache import FileCache
 from fastdecode.identity import tokenizer_fingerprint, weights_fingerprint
 from fastdecode.io import atomic_path, atomic_write_json
 from fastdecode.model import EarlyExitModel
@@ -163,7 +163,15 @@ class ExitAdapter(nn.Module):
     ) -> torch.Tensor:
         """Adapted residual stream ``[B, T, H]`` of exit hidden states ``hidden [B, T, H]``; with a cache the
         T positions take the next slots of cache layer ``slot`` (reserved by the caller, as for any layer)."""
-        return m.run_block(self.block, hidden, position_ids, self.slot, self.window, attention_mask, cache)
+        return m.run_block(
+            self.block,
+            hidden,
+            position_ids,
+            self.slot,
+            self.window,
+            attention_mask=attention_mask,
+            cache=cache,
+        )
 
     @staticmethod
     def logits(m: EarlyExitModel, adapted: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
@@ -203,6 +211,7 @@ def save_adapter(
     m: EarlyExitModel,
     tokenizer: Any = None,
     vocab: torch.Tensor | None = None,
+    *,
     meta: dict | None = None,
 ) -> Path:
     """Write ``adapter`` (weights, JSON, its draft vocabulary ``vocab [S]`` or None) atomically to ``directory``."""
@@ -283,20 +292,15 @@ def load_adapter(
     return adapter, meta, ids
 
 
-# Loaded adapters per model object (weakly: a model that goes away takes its adapters with it).
-_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Loaded adapters per model object (weakly: a model that goes away takes its adapters with it), one at a time
+# (what decoding needs), loaded again when one of the adapter's files changes.
+_LOADED = FileCache(maxsize=1)
 
 
 def _cached_load(directory: Path, m: EarlyExitModel) -> tuple[ExitAdapter, dict, torch.Tensor | None]:
-    stamp = tuple(
-        (p.stat().st_mtime_ns, p.stat().st_size) for p in (directory / META_FILE, directory / WEIGHTS_FILE)
-    )
-    key = (str(directory.resolve()), stamp, str(m.device), m.dtype)
-    per_model = _LOADED.setdefault(m.hf, {})
-    if key not in per_model:
-        per_model.clear()  # one adapter per model at a time is what decoding needs
-        per_model[key] = load_adapter(directory, m)
-    return per_model[key]
+    files = [directory / META_FILE, directory / WEIGHTS_FILE]
+    files += [directory / DRAFT_VOCAB_FILE] if (directory / DRAFT_VOCAB_FILE).is_file() else []
+    return _LOADED.get(files, lambda: load_adapter(directory, m), key=(str(m.device), m.dtype), owner=m.hf)
 
 
 def adapter_for_decoding(cfg: Any, m: EarlyExitModel) -> tuple[ExitAdapter | None, torch.Tensor | None]:
@@ -305,7 +309,7 @@ def adapter_for_decoding(cfg: Any, m: EarlyExitModel) -> tuple[ExitAdapter | Non
     Without an adapter: ``(None, _draft_vocab_ids(cfg.draft_vocab, m))``. With one: its exit must equal
     ``cfg.exit_layer`` when that is set (ExitLayerError); the drafter scores the adapter's own draft
     vocabulary, and ``cfg.draft_vocab``, when set, must be that same vocabulary (DraftVocabMismatchError).
-    Loaded once per file version and model.
+    Loaded once per model and version of the adapter's files (``fastdecode/file_cache.py``).
     """
     if cfg.adapter is None:
         return None, _draft_vocab_ids(cfg.draft_vocab, m)

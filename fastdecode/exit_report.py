@@ -198,7 +198,7 @@ def plot_reports(reports: dict[str, dict], path: str) -> None:
 
 
 def exit_report(
-    model, tokenizer, held_out: list[dict], prompts: list[str], max_new_tokens: int, max_examples: int
+    model, tokenizer, held_out: list[dict], prompts: list[str], max_new_tokens: int, *, max_examples: int
 ) -> dict:
     """Both measurements for ``model``: ``{"held_out": {...}, "generations": {...}}`` (see module doc)."""
     m = EarlyExitModel(model)

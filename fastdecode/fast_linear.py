@@ -171,6 +171,7 @@ def _time(call: Callable[[], object], repeats: int) -> float:
 def calibrate(
     group: Sequence[FastLinear],
     available: Sequence[str],
+    *,
     rows: Sequence[int] = PROBE_ROWS,
     repeats: int = 5,
     max_members: int = 8,

@@ -56,6 +56,7 @@ def initial_guess(
     prefix: list[int],
     vocab_size: int,
     generator: torch.Generator,
+    *,
     lead: int | None = None,
 ) -> list[int]:
     """``y(0)``, ``n`` tokens: uniform over ``prefix`` tokens (``prompt``, as the CLLM reference), over the

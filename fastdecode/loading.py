@@ -77,7 +77,7 @@ def _random_model_type(cfg: ModelConfig) -> str:
 
 
 def check_family(cfg: ModelConfig, model_type: str) -> str:
-    """The adapter family of weights whose ``config.model_type`` is ``model_type``: ``cfg.family`` when set
+    """The model family of weights whose ``config.model_type`` is ``model_type``: ``cfg.family`` when set
     (it must agree), else ``model_type``; unsupported families are refused naming the supported ones."""
     if cfg.family is not None and cfg.family != model_type:
         raise ConfigError(

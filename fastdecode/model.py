@@ -1,4 +1,4 @@
-"""The early-exit model adapter: the one module that touches Hugging Face model internals.
+"""The model (``EarlyExitModel``): the one module that touches Hugging Face model internals.
 
 Everything else in fastdecode (decoders, losses, training wrappers) sees a model as four operations:
 
@@ -107,7 +107,7 @@ class EarlyExitModel:
         attn = getattr(model.config, "_attn_implementation", "sdpa")
         if attn not in SUPPORTED_ATTENTION:
             raise ConfigError(
-                f"attn_implementation '{attn}' is not supported by the early-exit adapter "
+                f"attn_implementation '{attn}' is not supported by EarlyExitModel "
                 f"(it passes explicit 4D masks); use one of {SUPPORTED_ATTENTION} (model.attn_implementation)."
             )
         self.hf = model
@@ -318,6 +318,7 @@ class EarlyExitModel:
         end: int,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        *,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Run decoder layers ``[start, end)`` on ``hidden [B, T, H]`` at ``position_ids [B, T]``.
@@ -390,7 +391,13 @@ class EarlyExitModel:
             span = cache.attended(end)
             key_pos = cache.key_pos[:, :span] if window is not None else None
             return attention_mask(
-                cache.key_valid[:, :span], past, num_queries, hidden.dtype, window, key_pos, position_ids
+                cache.key_valid[:, :span],
+                past,
+                num_queries,
+                hidden.dtype,
+                window,
+                key_pos=key_pos,
+                query_pos=position_ids,
             )
         if num_queries == 1 or (window is None and self.config._attn_implementation == "sdpa"):
             return None  # SDPA applies causality itself (is_causal) when no mask is given
@@ -496,6 +503,7 @@ class EarlyExitModel:
         position_ids: torch.Tensor,
         slot: int,
         window: int | None = None,
+        *,
         attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
@@ -579,6 +587,7 @@ class AttentionBlock(nn.Module):
         hidden: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        *,
         cache: KVCache | None = None,
         use_cache: bool = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,

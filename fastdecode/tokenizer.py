@@ -12,7 +12,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256  # 261
 
 
 @lru_cache(maxsize=1)

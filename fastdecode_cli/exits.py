@@ -55,7 +55,7 @@ def run(cfg: Any) -> dict:
             held_out = build_datasets(dataclasses.replace(job.data, max_samples=1), tokenizer)[1]
         prompts = [ex["prompt"] for ex in held_out][: job.prompts]
         reports[label] = exit_report(
-            model, tokenizer, held_out, prompts, job.max_new_tokens, job.held_out_examples
+            model, tokenizer, held_out, prompts, job.max_new_tokens, max_examples=job.held_out_examples
         )
         agreement = reports[label]["generations"]["agreement"]
         costs = decoding_costs(EarlyExitModel(model))

@@ -89,7 +89,7 @@ def _node_keys(config_name: str, overrides: list[str], parent: str) -> list[str]
 
 def _override_error(config_name: str, overrides: list[str], err: Exception) -> Exception | None:
     """Our did-you-mean error for a Hydra composition error, or None when we have nothing better to say."""
-    from fastdecode.config import ConfigError, _suggest, group_choices, unknown_name_error
+    from fastdecode.config import ConfigError, did_you_mean, group_choices, unknown_name_error
 
     text, cause = str(err), err.__cause__
     missing = re.search(r"Could not find '([\w-]+)/([^']+)'", text)
@@ -100,7 +100,7 @@ def _override_error(config_name: str, overrides: list[str], err: Exception) -> E
     if no_group:
         groups = config_groups(config_name)
         return ConfigError(
-            f"'{no_group.group(1)}' is not a config group of {config_name}.{_suggest(no_group.group(1), groups)} "
+            f"'{no_group.group(1)}' is not a config group of {config_name}.{did_you_mean(no_group.group(1), groups)} "
             f"Its groups: {', '.join(groups)}."
         )
     full_key = getattr(cause, "full_key", None)
@@ -110,16 +110,11 @@ def _override_error(config_name: str, overrides: list[str], err: Exception) -> E
     keys = _node_keys(config_name, [o for o in overrides if not o.startswith(f"{full_key}=")], parent)
     where = f"'{parent}'" if parent else "the config"
     if parent == "trainer":  # every TrainingArguments field is valid; the yaml sets a few of them
-        from dataclasses import fields
+        from fastdecode_recipes.trainer_args import unknown_trainer_key
 
-        from transformers import TrainingArguments
-
-        valid = [f.name for f in fields(TrainingArguments) if f.init]
-        return ConfigError(
-            f"Unknown key 'trainer.{key}': not a transformers.TrainingArguments field.{_suggest(key, valid)}"
-        )
+        return unknown_trainer_key(key)
     return ConfigError(
-        f"Unknown key '{full_key}'.{_suggest(key, keys)} Valid keys of {where}: {', '.join(sorted(keys))}."
+        f"Unknown key '{full_key}'.{did_you_mean(key, keys)} Valid keys of {where}: {', '.join(sorted(keys))}."
     )
 
 
@@ -141,7 +136,9 @@ def trainer_fields(config_name: str, overrides: list[str]) -> list[str]:
         return []  # nothing to rewrite: no compose, no transformers import
     picks = [o for o in overrides if o.split("=")[0] in config_groups(config_name)]
     present = set(_node_keys(config_name, picks, "trainer"))
-    fields = _training_fields()
+    from fastdecode_recipes.trainer_args import training_fields
+
+    fields = training_fields()
     added = []
     for override in list(overrides):
         key, sep, value = override.partition("=")
@@ -150,14 +147,6 @@ def trainer_fields(config_name: str, overrides: list[str]) -> list[str]:
             overrides.remove(override)
             added.append(f"+trainer.{name}={value}")
     return added
-
-
-def _training_fields() -> set[str]:
-    from dataclasses import fields
-
-    from transformers import TrainingArguments
-
-    return {f.name for f in fields(TrainingArguments) if f.init}
 
 
 def print_help(config_name: str, overrides: list[str]) -> None:

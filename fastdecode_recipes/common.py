@@ -10,15 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.checkpoint_info import checkpoint_model
-from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, _suggest, to_dataclass
+from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, to_dataclass
 from fastdecode.data.config import DataConfig
 from fastdecode.distributed import is_main_process, world_size
-from fastdecode_recipes.trainer_args import check_trainer_values
+from fastdecode_recipes.trainer_args import check_trainer
 
 log = logging.getLogger(__name__)
-
-# Set from the top level of the job config, not from the trainer group.
-JOB_LEVEL_ARGS = ("output_dir", "seed", "deepspeed", "resume_from_checkpoint", "run_name")
 
 
 @dataclasses.dataclass
@@ -62,8 +59,7 @@ def load_job(cfg: Any) -> TrainJob:
     if "name" not in job.recipe:
         raise ConfigError("recipe.name is missing: pick a recipe with recipe=NAME.")
     job.model = checkpoint_model(job.model, job.checkpoint)  # a contradicting model= fails here
-    check_trainer_keys(job.trainer)
-    job.trainer = check_trainer_values(job.trainer)  # typed before anything loads
+    job.trainer = check_trainer(job.trainer)  # keys and values, typed before anything loads
     return job
 
 
@@ -75,37 +71,6 @@ def job_tokenizer(job: TrainJob):
 
     path = None if job.model.source == "random" or job.model.tokenizer else model_load_path(job.model)
     return load_tokenizer(job.model, path)
-
-
-def check_trainer_keys(trainer: dict) -> None:
-    """Every key of the ``trainer`` group must be a ``transformers.TrainingArguments`` field name."""
-    from transformers import TrainingArguments
-
-    valid = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
-    for key in trainer:
-        if key in JOB_LEVEL_ARGS:
-            raise ConfigError(
-                f"trainer.{key} is set at the top level of the config: use '{key}=...' instead."
-            )
-        if key not in valid:
-            raise ConfigError(
-                f"Unknown key 'trainer.{key}': not a transformers.TrainingArguments field.{_suggest(key, valid)}"
-            )
-
-
-def latest_checkpoint(output_dir: str | Path) -> str | None:
-    """The newest complete ``checkpoint-N`` folder in ``output_dir`` (by N), or None (``resume.py``)."""
-    from fastdecode_recipes.resume import latest_complete_checkpoint
-
-    return latest_complete_checkpoint(output_dir)
-
-
-def resolve_resume(job: TrainJob) -> str | None:
-    """``auto`` -> the newest complete checkpoint in output_dir (None on a fresh run); a PATH must be a
-    complete checkpoint (``resume.py``)."""
-    from fastdecode_recipes.resume import resolve_resume as resolve
-
-    return resolve(job.resume_from_checkpoint, job.output_dir)
 
 
 def training_arguments(job: TrainJob, **overrides: Any):
@@ -140,7 +105,7 @@ def _offline_wandb(report_to: str | list[str] | None) -> None:
 
 @dataclasses.dataclass
 class PeftConfig:
-    """``configs/peft/<name>.yaml``: LoRA adapters through peft (merged into the weights on save by default)."""
+    """``configs/peft/<name>.yaml``: LoRA through peft (merged into the weights on save by default)."""
 
     method: str = "none"  # none | lora
     r: int = 16
@@ -155,7 +120,7 @@ class PeftConfig:
 
 
 def apply_peft(model, cfg: PeftConfig, gradient_checkpointing: bool = False):
-    """Wrap ``model`` with LoRA adapters (``peft.method=lora``); the model unchanged otherwise."""
+    """Wrap ``model`` with LoRA (``peft.method=lora``); the model unchanged otherwise."""
     if cfg.method == "none":
         return model
     from peft import LoraConfig, get_peft_model

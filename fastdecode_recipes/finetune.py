@@ -39,10 +39,10 @@ from fastdecode_recipes.common import (
     compare_export,
     export_checkpoint,
     probe_loss,
-    resolve_resume,
     to_device,
     training_arguments,
 )
+from fastdecode_recipes.resume import resolve_resume
 from fastdecode_recipes.resume import train as train_or_finish
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class FinetuneRun:
 
     job: TrainJob
     out: Path  # the run directory (``job.output_dir``); the checkpoint is ``out / "final"``
-    model: PreTrainedModel  # the live, trained HF model (a peft model with LoRA: adapters not merged)
+    model: PreTrainedModel  # the live, trained HF model (a peft model with LoRA: LoRA weights not merged)
     tokenizer: Any
     train: Sequence[dict]  # what the Trainer trains on (examples, or a recipe's own map-style dataset)
     held_out: list[dict]
@@ -185,7 +185,8 @@ def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
         data_collator=collator,
         **recipe.trainer_kwargs(tokenizer),
     )
-    result = train_or_finish(trainer, resolve_resume(job))  # a finished run is not trained one step more
+    resume = resolve_resume(job.resume_from_checkpoint, job.output_dir)
+    result = train_or_finish(trainer, resume)  # a finished run is not trained one step more
     metrics = dict(result.metrics) | (trainer.evaluate() if eval_set else {})
     run = FinetuneRun(
         job=job,

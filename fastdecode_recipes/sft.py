@@ -1,7 +1,7 @@
 """``recipe=sft``: plain causal-LM fine-tuning on assistant tokens (the baseline the other recipes beat).
 
 The default ``Recipe`` of ``fastdecode_recipes.finetune``: the HF model (with ``peft=lora``, its LoRA
-adapters) computes the loss from ``labels``; the Trainer passes ``num_items_in_batch`` so the loss is
+weights) computes the loss from ``labels``; the Trainer passes ``num_items_in_batch`` so the loss is
 normalised over the whole accumulated batch. Export (LoRA merged) verified against the live model,
 ``summary.json``.
 """

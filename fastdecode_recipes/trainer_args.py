@@ -1,9 +1,12 @@
-"""The ``trainer`` group's values, typed against ``transformers.TrainingArguments`` before anything loads.
+"""The ``trainer`` group, checked against ``transformers.TrainingArguments`` before anything loads: the one
+place that validates it.
 
-Keys are checked by ``common.check_trainer_keys``; here every value is checked against its field's type hint
-(numbers, booleans, strings, the Hugging Face enums such as ``lr_scheduler_type``) and the ranges no run can
-train with, so ``trainer.max_steps=abc`` fails at once with the key's name instead of a raw TypeError after the
-model, the data and the before-training report.
+Keys: every key is a ``TrainingArguments`` field (``training_fields``), except the job-level ones set at the
+top of the config (``JOB_LEVEL_ARGS``); ``unknown_trainer_key`` is the error for a misspelt one, raised here
+and by the command-line check (``fastdecode_cli/launch.py``). Values: each is checked against its field's type
+hint (numbers, booleans, strings, the Hugging Face enums such as ``lr_scheduler_type``) and the ranges no run
+can train with, so ``trainer.max_steps=abc`` fails at once with the key's name instead of a raw TypeError after
+the model, the data and the before-training report. ``check_trainer`` does both.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import types
 import typing
 from typing import Any, Union
 
-from fastdecode.config import ConfigError, _convert, _suggest
+from fastdecode.config import ConfigError, convert_value, did_you_mean
 
 log = logging.getLogger(__name__)
 
+# Set from the top level of the job config, not from the trainer group.
+JOB_LEVEL_ARGS = ("output_dir", "seed", "deepspeed", "resume_from_checkpoint", "run_name")
 AT_LEAST_ONE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
 NOT_NEGATIVE = (
     "learning_rate",
@@ -30,6 +35,41 @@ NOT_NEGATIVE = (
     "eval_accumulation_steps",
 )
 POSITIVE = ("adam_epsilon", "logging_steps", "save_steps", "eval_steps")
+
+
+@functools.cache
+def training_fields() -> frozenset[str]:
+    """The ``transformers.TrainingArguments`` fields a config may set (those its constructor takes)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    return frozenset(f.name for f in dataclasses.fields(TrainingArguments) if f.init)
+
+
+def unknown_trainer_key(key: str) -> ConfigError:
+    """The error for ``trainer.<key>`` that is not a ``TrainingArguments`` field, with the closest one."""
+    return ConfigError(
+        f"Unknown key 'trainer.{key}': not a transformers.TrainingArguments field."
+        f"{did_you_mean(key, sorted(training_fields()))}"
+    )
+
+
+def check_trainer_keys(trainer: dict[str, Any]) -> None:
+    """Every key of the ``trainer`` group must be a ``TrainingArguments`` field that the job does not set."""
+    for key in trainer:
+        if key in JOB_LEVEL_ARGS:
+            raise ConfigError(
+                f"trainer.{key} is set at the top level of the config: use '{key}=...' instead."
+            )
+        if key not in training_fields():
+            raise unknown_trainer_key(key)
+
+
+def check_trainer(trainer: dict[str, Any]) -> dict[str, Any]:
+    """The ``trainer`` group checked (``check_trainer_keys``, then ``check_trainer_values``) and typed."""
+    check_trainer_keys(trainer)
+    return check_trainer_values(trainer)
 
 
 @functools.cache
@@ -50,13 +90,13 @@ def _typed(key: str, value: Any, hint: Any) -> Any:
         choices = [str(m.value) for e in enums for m in e]
         if value not in choices:
             raise ConfigError(
-                f"{where}: '{value}' is not one of {', '.join(choices)}.{_suggest(value, choices)}"
+                f"{where}: '{value}' is not one of {', '.join(choices)}.{did_you_mean(value, choices)}"
             )
         return value
     plain = tuple(a for a in args if a is not type(None) and a not in enums)
     if not plain or any(a is Any or not _checkable(a) for a in plain):
         return value  # a type we cannot check from a config (objects): let TrainingArguments judge
-    _convert(value, Union[plain] if len(plain) > 1 else plain[0], where)  # noqa: UP007
+    convert_value(value, Union[plain] if len(plain) > 1 else plain[0], where)  # noqa: UP007
     return value  # as given: an int stays an int (HF treats warmup_steps=2 and 2.0 alike, but why risk it)
 
 

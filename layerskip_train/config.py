@@ -18,9 +18,6 @@ class EarlyExitLossConfig:
     layers: str | list[int] | None = ":"  # candidate exits (slice syntax over blocks); the last is always on
     curriculum: str = "strided"  # none | rotational (torchtune's; alias rot) | strided (ours) | gradual
     stride: int = 4  # R of the strided curriculum (read by no other curriculum)
-    # The old name of ``stride``, kept only to refuse it: with ``rotational`` it used to mean what is now
-    # ``strided``, so a config that sets it fails with the fix instead of silently training other exits.
-    rotation: int | None = field(default=None, repr=False)
     scale_fn: str = "uniform"  # uniform | linear_l | sum_l | sqrt_l | inv_l | inv_sqrt_l
     scale: float = 1.0  # e_scale: multiplies every non-final exit's weight
     chunk_size: int = 1024  # label tokens per recomputed head+CE chunk
@@ -31,33 +28,12 @@ class EarlyExitLossConfig:
     def __post_init__(self) -> None:
         if self.curriculum not in CURRICULA and self.curriculum not in CURRICULUM_ALIASES:
             raise unknown_name_error("curriculum", self.curriculum, list(CURRICULA))
-        if self.rotation is not None:
-            raise ConfigError(self._rotation_error())
         if not 0.0 < self.token_fraction <= 1.0:
             raise ConfigError(
                 f"recipe.early_exit_loss.token_fraction must be in (0, 1], got {self.token_fraction}."
             )
         if self.stride < 1:
             raise ConfigError(f"recipe.early_exit_loss.stride must be >= 1, got {self.stride}.")
-
-    def _rotation_error(self) -> str:
-        key, r = "recipe.early_exit_loss", self.rotation
-        if CURRICULUM_ALIASES.get(self.curriculum, self.curriculum) == "rotational":
-            return (
-                f"{key}.rotation={r} is no longer read: curriculum '{self.curriculum}' is now torchtune's "
-                f"rotational curriculum (the `layers` mask rolled by one layer per optimiser step, no "
-                f"stride), and the stride-based schedule this config asked for (exit l active iff "
-                f"(l - step) mod {r} == 0) is called 'strided'. To train what it trained before, write "
-                f"{key}.curriculum=strided and {key}.stride={r}; for torchtune's rotation, delete "
-                f"{key}.rotation."
-            )
-        if self.curriculum == "strided":
-            return f"{key}.rotation was renamed to {key}.stride: write {key}.stride={r} instead."
-        return (
-            f"{key}.rotation was renamed to {key}.stride, which only curriculum 'strided' reads "
-            f"(curriculum '{self.curriculum}' ignores it): delete {key}.rotation, or write "
-            f"{key}.curriculum=strided and {key}.stride={r}."
-        )
 
     def self_distill(self) -> SelfDistill | None:
         return SelfDistill(self.distill, self.distill_temperature) if self.distill > 0 else None

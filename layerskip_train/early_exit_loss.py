@@ -75,6 +75,7 @@ def active_exits(
     num_layers: int,
     step: int,
     total_steps: int | None = None,
+    *,
     stride: int = 4,
 ) -> list[int]:
     """Exits trained at optimiser step ``step`` (0-based: the first step is 0), sorted; the last is always in.
@@ -231,7 +232,7 @@ def early_exit_loss(
     """Weighted early-exit loss ``sum_l w_l * loss_l``, chunked and recomputed (see the module docstring).
 
     Args:
-        m: the early-exit adapter (final norm + shared LM head).
+        m: the model (``EarlyExitModel``: final norm + shared LM head).
         hiddens: ``{l: [B, T, H]}`` residual stream after block ``l`` (``run_with_layer_dropout``).
         labels: ``[B, T]`` HF-style, aligned with the inputs (shifted here); ``-100`` ignored.
         weights: per exit, a mapping ``{l: w}`` or a sequence aligned with ``sorted(hiddens)``

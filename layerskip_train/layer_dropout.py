@@ -226,7 +226,7 @@ def run_with_layer_dropout(
     """Run the decoder blocks with per-sample layer dropout; return the residual stream at each exit.
 
     Args:
-        m: the early-exit adapter.
+        m: the model (``EarlyExitModel``).
         hidden: ``[B, T, H]`` embeddings (``m.embed``).
         position_ids: ``[B, T]`` (or ``[1, T]``, broadcast).
         attention_mask: additive ``[B, 1, T, S]`` (or ``[1, 1, T, S]``), or None for plain causal.
@@ -246,7 +246,7 @@ def run_with_layer_dropout(
     with 2 processes). The layer really runs on one row (its output times zero), so ZeRO-3/FSDP gather its
     parameters as usual and the engines see every parameter used; it costs one row of one layer, only when
     every row drops that layer (probability p^B). Under DDP, call this (and the loss) inside
-    the forward of the DDP-wrapped module: calling the adapter on ``ddp.module`` directly bypasses the
+    the forward of the DDP-wrapped module: calling the model on ``ddp.module`` directly bypasses the
     reducer and the gradients are silently not all-reduced.
     """
     num_layers = m.num_layers

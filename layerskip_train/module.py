@@ -47,7 +47,7 @@ class EarlyExitLM(WrappedLM):
         self.cfg = cfg
         self.seed, self.total_steps, self.rank = seed, max(total_steps, 1), rank
         self.exit_chunks = exit_chunks
-        num_layers = self.adapter.num_layers
+        num_layers = self.m.num_layers
         self.candidate_exits = parse_layers(cfg.early_exit_loss.layers, num_layers)
         self.drop_layers = parse_layers(cfg.layer_dropout.layers, num_layers)
 
@@ -58,7 +58,7 @@ class EarlyExitLM(WrappedLM):
         """
         ee = self.cfg.early_exit_loss
         return active_exits(
-            ee.curriculum, self.candidate_exits, self.adapter.num_layers, step, self.total_steps, ee.stride
+            ee.curriculum, self.candidate_exits, self.m.num_layers, step, self.total_steps, stride=ee.stride
         )
 
     def drops_at(self, step: int, micro_step: int, batch: int) -> torch.Tensor | None:
@@ -68,7 +68,7 @@ class EarlyExitLM(WrappedLM):
             return None
         rates = dropout_rates(
             ld.prob,
-            self.adapter.num_layers,
+            self.m.num_layers,
             self.drop_layers,
             scale=ld.layers_scale,
             time_scale=ld.time_scale,
@@ -83,13 +83,14 @@ class EarlyExitLM(WrappedLM):
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        *,
         step: int = 0,
         micro_step: int = 0,
         num_items_in_batch: int | torch.Tensor | None = None,
         **_: object,
     ) -> dict:
         """Loss of ``input_ids/labels [B, T]``; eval mode: the final exit only (plain LM loss)."""
-        m, ee = self.adapter, self.cfg.early_exit_loss
+        m, ee = self.m, self.cfg.early_exit_loss
         batch, length = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(batch, -1)

@@ -71,7 +71,7 @@ def warn_empty_steps(rcfg: LayerSkipConfig, num_layers: int) -> int:
         return 0
     period = ee.stride if curriculum == "strided" else num_layers
     empty = sum(
-        active_exits(curriculum, candidates, num_layers, step, 1, ee.stride) == [num_layers - 1]
+        active_exits(curriculum, candidates, num_layers, step, 1, stride=ee.stride) == [num_layers - 1]
         for step in range(period)
     )
     if empty:
@@ -98,7 +98,9 @@ def _report_set(rcfg: LayerSkipConfig, tokenizer, held_out: list[dict]) -> list[
 def _report(model, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig) -> dict:
     r = rcfg.report
     prompts = [ex["prompt"] for ex in held_out if ex.get("prompt")][: r.prompts]
-    return exit_report(model, tokenizer, held_out, prompts, r.max_new_tokens, r.held_out_examples)
+    return exit_report(
+        model, tokenizer, held_out, prompts, r.max_new_tokens, max_examples=r.held_out_examples
+    )
 
 
 def _exit_chunks(job: TrainJob, rcfg: LayerSkipConfig) -> int | None:

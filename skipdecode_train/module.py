@@ -45,8 +45,8 @@ class SkipDecodeLM(WrappedLM):
 
     def __init__(self, model: PreTrainedModel, policy: SkipDecodePolicy) -> None:
         super().__init__(model)
-        if policy.num_layers != self.adapter.num_layers:
-            raise ValueError(f"policy for {policy.num_layers} layers, model has {self.adapter.num_layers}")
+        if policy.num_layers != self.m.num_layers:
+            raise ValueError(f"policy for {policy.num_layers} layers, model has {self.m.num_layers}")
         self.policy = policy
 
     def forward(
@@ -64,8 +64,8 @@ class SkipDecodeLM(WrappedLM):
         batch, as HF's ``ForCausalLMLoss``) or, without it, by this batch's label tokens.
         """
         check_right_padded(attention_mask)
-        hidden = policy_hidden(self.adapter, self.policy, input_ids, labels, position_ids)  # [B, T, H]
-        total, scored = next_token_nll(hidden, labels, self.adapter.exit_logits)  # head on labels only
+        hidden = policy_hidden(self.m, self.policy, input_ids, labels, position_ids)  # [B, T, H]
+        total, scored = next_token_nll(hidden, labels, self.m.exit_logits)  # head on labels only
         denom = num_items_in_batch if num_items_in_batch is not None else max(scored, 1)
         if isinstance(denom, torch.Tensor):
             denom = denom.to(total.device)

@@ -1,6 +1,6 @@
 """Builders shared by several test modules: the tiny models (cached), tiny models with lively weights, draft
-models, random adapters, random prompts and examples, synthetic CLLM records, exact target distributions and
-chi-square p-values for the sampling tests, a chat jsonl, a free port. Composed job configs are in
+models, random exit adapters, random prompts and examples, synthetic CLLM records, exact target distributions
+and chi-square p-values for the sampling tests, a chat jsonl, a free port. Composed job configs are in
 ``tests/job_configs.py``, fake PyPI assets in ``tests/fake_assets.py``."""
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ def _imports_shared_training(name: str) -> bool:
 
 
 def test_fastdecode_core_never_imports_the_training_layer():
-    """Only ``fastdecode/training/`` itself; the adapter, data, decoders and reports stay Trainer-free."""
+    """Only ``fastdecode/training/`` itself; the model, data, decoders and reports stay Trainer-free."""
     training_dir = ROOT / "fastdecode" / "training"
     for path in _sources("fastdecode"):
         if training_dir in path.parents:
@@ -262,7 +262,7 @@ def test_the_training_layer_imports_only_fastdecode_core():
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
-def test_only_the_adapter_imports_hf_modeling_code():
+def test_only_the_model_module_imports_hf_modeling_code():
     """HF model internals (transformers.models.*) are touched by fastdecode/model.py alone."""
     allowed = {ROOT / "fastdecode" / "model.py"}
     for package in FORBIDDEN:
@@ -303,6 +303,73 @@ def test_no_relative_imports():
     for path in paths:
         relative = [node.lineno for node in _import_nodes(path) if getattr(node, "level", 0) > 0]
         assert not relative, f"{path.relative_to(ROOT)} line(s) {relative}: {OTHER_RULES[2]}"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_private_names_imported_from_another_module():
+    """A name another module needs is public: no ``from ours import _helper`` (nor ``import ours._module``)
+    anywhere in the library packages, the entry points or the tests."""
+    ours = {*LIBRARY, *ENTRY, "tests"}
+    roots = [*LIBRARY, *sorted(ENTRY - {"train", "collect_jacobi"}), "tests"]
+    paths = [p for root in roots for p in _sources(root)] + sorted(ROOT.glob("*.py"))
+    bad = []
+    for path in paths:
+        for node in _import_nodes(path):
+            if isinstance(node, ast.ImportFrom):
+                if node.level or (node.module or "").split(".")[0] not in ours:
+                    continue
+                dotted = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                dotted = [alias.name for alias in node.names if alias.name.split(".")[0] in ours]
+            bad += [
+                f"{path.relative_to(ROOT)}:{node.lineno} imports {name}"
+                for name in dotted
+                if any(_private(part) for part in name.split("."))
+            ]
+    assert not bad, "private names imported from another module (make them public):\n" + "\n".join(bad)
+
+
+def _console_scripts() -> dict[str, str]:
+    """``[project.scripts]`` of pyproject.toml: script name -> ``module:function``."""
+    section = (ROOT / "pyproject.toml").read_text().split("[project.scripts]\n")[1].split("\n[")[0]
+    pairs = [line.split("=", 1) for line in section.splitlines() if "=" in line]
+    return {name.strip(): target.strip().strip('"') for name, target in pairs}
+
+
+def test_every_command_is_a_console_script_and_a_thin_file():
+    """One kind of entry point: the root scripts and ``eval/*.py`` define nothing, they import the ``main`` of
+    a console script's module (``fastdecode_cli``); the programs live in the packages."""
+    scripts = _console_scripts()
+    modules = {target.split(":")[0] for target in scripts.values()}
+    assert all(m.startswith("fastdecode_cli.") and _is_module(m) for m in modules), scripts
+    files = [ROOT / "train.py", ROOT / "collect_jacobi.py", *sorted((ROOT / "eval").glob("*.py"))]
+    for path in [p for p in files if p.name != "__init__.py"]:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        assert not defined, (
+            f"{path.relative_to(ROOT)} defines {defined}: move the program into fastdecode_cli"
+        )
+        called = {n.module for n in _import_nodes(path) if isinstance(n, ast.ImportFrom) and n.module}
+        assert called & modules, f"{path.relative_to(ROOT)} calls no console script's module"
+
+
+def test_public_functions_take_at_most_five_positional_parameters():
+    """Past the fifth, parameters are keyword-only (methods: not counting ``self``/``cls``)."""
+    wide = []
+    for package in [*LIBRARY, *sorted(ENTRY - {"train", "collect_jacobi"})]:
+        for path in _sources(package):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                    continue
+                args = node.args.posonlyargs + node.args.args
+                positional = [a.arg for a in args if a.arg not in ("self", "cls")]
+                where = f"{path.relative_to(ROOT).as_posix()}:{node.name}"
+                if len(positional) > 5:
+                    wide.append(f"{where} (line {node.lineno}): {len(positional)} positional")
+    assert not wide, "make the parameters past the fifth keyword-only (add *):\n" + "\n".join(wide)
 
 
 def test_the_rules_graph_sees_real_imports():

@@ -53,7 +53,13 @@ def test_the_command_line_gets_model_checkpoint_before_hydras_flags(ckpt, monkey
 def test_speed_on_a_checkpoint_is_labelled_and_filed_as_it(ckpt):
     from fastdecode.bench.config import plan
 
-    cfg = _compose("speed", "model=checkpoint", f"checkpoint={ckpt}", "decoder=[autoregressive,self_speculative]", "hf_baseline=null")
+    cfg = _compose(
+        "speed",
+        "model=checkpoint",
+        f"checkpoint={ckpt}",
+        "decoder=[autoregressive,self_speculative]",
+        "hf_baseline=null",
+    )
     assert cfg.output_dir == "outputs/speed/layerskip-tiny-llama"  # not outputs/speed/smollm2-135m
     job, methods, source = plan(cfg)
     assert job.model.name == "layerskip-tiny-llama" and job.model.family == "llama"
@@ -64,8 +70,10 @@ def test_speed_on_a_checkpoint_is_labelled_and_filed_as_it(ckpt):
 
 @pytest.mark.parametrize(
     "model,why",
-    [("tiny-qwen2", r"family qwen2\) contradicts checkpoint .*model_type llama"),
-     ("llama2-7b-quarter-random", r"\(16 layers\) contradicts checkpoint .*\(4 layers\)")],
+    [
+        ("tiny-qwen2", r"family qwen2\) contradicts checkpoint .*model_type llama"),
+        ("llama2-7b-quarter-random", r"\(16 layers\) contradicts checkpoint .*\(4 layers\)"),
+    ],
 )
 def test_a_contradicting_model_is_refused_before_any_work(ckpt, model, why, monkeypatch):
     import fastdecode.loading
@@ -94,7 +102,10 @@ def test_exits_on_a_checkpoint_compares_the_base_it_records(ckpt):
     job = to_dataclass(ExitsJob, _compose("exits", "model=checkpoint", f"checkpoint={ckpt}"), "")
     targets = report_targets(job)
     assert targets["base"].name == "tiny-llama" and targets["checkpoint"].name == "layerskip-tiny-llama"
-    assert _compose("exits", "model=checkpoint", f"checkpoint={ckpt}").output_dir == "outputs/exits-layerskip-tiny-llama"
+    assert (
+        _compose("exits", "model=checkpoint", f"checkpoint={ckpt}").output_dir
+        == "outputs/exits-layerskip-tiny-llama"
+    )
 
 
 def test_skipdecode_quality_decodes_with_the_checkpoints_own_policy(ckpt, tmp_path):
@@ -124,14 +135,21 @@ def test_bring_your_own_model_needs_no_family(ckpt):
     with pytest.raises(ConfigError, match="family=qwen2 but the checkpoint is 'llama'"):
         model_config(dataclasses.replace(own, family="qwen2"))
     assert checkpoint_model(own, None) is own
-    hub = to_dataclass(ModelConfig, _compose("speed", "model=hub", f"model.name_or_path={ckpt}").model, "model")
-    assert hub.family is None and hub.name == "layerskip-tiny-llama" and model_config(hub).model_type == "llama"
+    hub = to_dataclass(
+        ModelConfig, _compose("speed", "model=hub", f"model.name_or_path={ckpt}").model, "model"
+    )
+    assert (
+        hub.family is None and hub.name == "layerskip-tiny-llama" and model_config(hub).model_type == "llama"
+    )
 
 
 def test_trainer_fields_need_no_plus(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["train.py", "model=tiny-llama", "trainer.gradient_checkpointing=true"])
     check_command_line("train")
-    assert "+trainer.gradient_checkpointing=true" in sys.argv and "trainer.gradient_checkpointing=true" not in sys.argv
+    assert (
+        "+trainer.gradient_checkpointing=true" in sys.argv
+        and "trainer.gradient_checkpointing=true" not in sys.argv
+    )
     job = load_job(_compose("train", *sys.argv[1:]))
     assert job.trainer["gradient_checkpointing"] is True
     monkeypatch.setattr(sys, "argv", ["train.py", "trainer.gradient_checkpointin=true"])
@@ -143,8 +161,16 @@ def test_trainer_fields_need_no_plus(monkeypatch):
     assert sys.argv == argv
 
 
-DOCUMENTED = {"dtype": "bfloat16", "device": "cuda", "attn_implementation": "eager", "seed": 3,
-              "recommended_exit": 2, "revision": "main", "tokenizer": "builtin-bytes", "family": "llama"}
+DOCUMENTED = {
+    "dtype": "bfloat16",
+    "device": "cuda",
+    "attn_implementation": "eager",
+    "seed": 3,
+    "recommended_exit": 2,
+    "revision": "main",
+    "tokenizer": "builtin-bytes",
+    "family": "llama",
+}
 
 
 @pytest.mark.parametrize("field,value", sorted(DOCUMENTED.items()))

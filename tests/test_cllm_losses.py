@@ -222,7 +222,7 @@ def test_teacher_forwards_run_without_gradient(tiny_llama, loss, target, calls):
     cfg = _cfg(consistency_loss=loss, ar_target=target)
     module = ConsistencyLM(copy.deepcopy(tiny_llama[0]), cfg)
     seen = []
-    module.adapter.layers[0].register_forward_pre_hook(
+    module.m.layers[0].register_forward_pre_hook(
         lambda mod, args, kwargs: seen.append((torch.is_grad_enabled(), args[0].shape[0])), with_kwargs=True
     )
     out = module(**_batch(cfg), picks=torch.tensor([0, 1, 0]))

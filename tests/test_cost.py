@@ -92,7 +92,9 @@ def test_one_definition_of_a_block_and_the_estimate(tiny_llama):
     assert with_adapter == pytest.approx(
         est.draft_token(2, head_rows=50, extra_blocks=adapter.num_parameters() / block)
     )
-    assert exit_draft_cost(est, m, 2, vocab=torch.arange(50)) == pytest.approx(est.draft_token(2, head_rows=50))
+    assert exit_draft_cost(est, m, 2, vocab=torch.arange(50)) == pytest.approx(
+        est.draft_token(2, head_rows=50)
+    )
 
 
 def test_measured_costs_are_timed_once_per_model_engine_and_threads():

@@ -205,7 +205,8 @@ def test_the_recipe_trains_torchtunes_masks_through_the_config():
     )
     ee = cfg.early_exit_loss
     got = [
-        active_exits(ee.curriculum, parse_layers(ee.layers, 8), 8, s, 100, ee.stride) for s in range(STEPS)
+        active_exits(ee.curriculum, parse_layers(ee.layers, 8), 8, s, 100, stride=ee.stride)
+        for s in range(STEPS)
     ]
     assert got == _sets(TORCHTUNE_ROTATIONAL[8, "0::4"])
 
@@ -221,40 +222,15 @@ def _recipe(*overrides: str) -> LayerSkipConfig:
     return to_dataclass(LayerSkipConfig, load_job(_compose(*overrides)).recipe, "recipe")
 
 
-@pytest.mark.parametrize("curriculum", ["rotational", "rot"])
-def test_old_rotation_key_with_rotational_names_the_fix(curriculum):
-    with pytest.raises(ConfigError) as err:
-        _recipe(f"recipe.early_exit_loss.curriculum={curriculum}", "recipe.early_exit_loss.rotation=4")
-    msg = str(err.value)
-    assert "recipe.early_exit_loss.rotation=4 is no longer read" in msg
-    assert "recipe.early_exit_loss.curriculum=strided and recipe.early_exit_loss.stride=4" in msg
-    assert "torchtune" in msg and "delete recipe.early_exit_loss.rotation" in msg
+def test_rotation_is_not_a_key():
+    """``stride`` is the strided curriculum's R; no other name reads it."""
+    with pytest.raises(ConfigError, match=r"Unknown key 'recipe\.early_exit_loss\.rotation'.*stride"):
+        to_dataclass(EarlyExitLossConfig, {"curriculum": "strided", "rotation": 2}, "recipe.early_exit_loss")
 
 
-@pytest.mark.parametrize(
-    "curriculum, fix",
-    [
-        ("strided", "write recipe.early_exit_loss.stride=2 instead"),
-        (
-            "none",
-            "delete recipe.early_exit_loss.rotation, or write recipe.early_exit_loss.curriculum=strided",
-        ),
-        (
-            "gradual",
-            "delete recipe.early_exit_loss.rotation, or write recipe.early_exit_loss.curriculum=strided",
-        ),
-    ],
-)
-def test_old_rotation_key_with_other_curricula_is_refused_too(curriculum, fix):
-    with pytest.raises(ConfigError, match="renamed to recipe.early_exit_loss.stride") as err:
-        to_dataclass(EarlyExitLossConfig, {"curriculum": curriculum, "rotation": 2}, "recipe.early_exit_loss")
-    assert fix in str(err.value)
-
-
-def test_strided_is_the_default_and_keeps_the_old_default_schedule():
-    """The shipped default was ``rotational`` + ``rotation: 4`` (our stride); it is now spelt ``strided``."""
+def test_strided_is_the_default():
     ee = _recipe().early_exit_loss
-    assert (ee.curriculum, ee.stride, ee.rotation, ee.layers) == ("strided", 4, None, ":")
+    assert (ee.curriculum, ee.stride, ee.layers) == ("strided", 4, ":")
     assert EarlyExitLossConfig().curriculum == "strided" and EarlyExitLossConfig().stride == 4
     with pytest.raises(ConfigError, match="stride must be >= 1"):
         _recipe("recipe.early_exit_loss.stride=0")
@@ -299,7 +275,8 @@ def test_no_shipped_config_leaves_a_step_without_an_early_exit(name, overrides, 
     starved = [
         step
         for step in range(2 * num_layers)
-        if active_exits(ee.curriculum, candidates, num_layers, step, total, ee.stride) == [num_layers - 1]
+        if active_exits(ee.curriculum, candidates, num_layers, step, total, stride=ee.stride)
+        == [num_layers - 1]
     ]
     assert starved == [], f"{name}: only the last exit trains at steps {starved}"
 

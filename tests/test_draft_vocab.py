@@ -1,4 +1,4 @@
-"""Draft vocabularies: frequency ranking, the file, the adapter's subset head, and lossless decoding with a
+"""Draft vocabularies: frequency ranking, the file, the model's subset head, and lossless decoding with a
 subset head (greedy: identical output; sampling: the target's distribution), in both speculative decoders."""
 
 from __future__ import annotations
@@ -61,9 +61,7 @@ def test_draft_vocab_file_roundtrip_cache_and_errors(tmp_path):
     assert ids.tolist() == [4, 9, 7] and vocab_size == 261
     cfg = DecodeConfig(max_new_tokens=4, draft_vocab=path)
     first = draft_vocab_ids(path, m)
-    assert (
-        draft_vocab_ids(path, m) is first
-    )  # one tensor per file version: the adapter's head rows are reused
+    assert draft_vocab_ids(path, m) is first  # one tensor per file version: the gathered head rows are reused
     _vocab_file(tmp_path, [4, 9, 7, 8])
     assert draft_vocab_ids(path, m).tolist() == [4, 9, 7, 8]  # a rewritten file is reloaded
     assert draft_vocab_ids(DecodeConfig(max_new_tokens=4).draft_vocab, m) is None
@@ -95,7 +93,7 @@ def test_draft_vocab_from_data_counts_trained_tokens(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------
-# The adapter's subset head
+# The model's subset head (EarlyExitModel.exit_logits_subset)
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_exit_logits_subset_equals_the_full_head_rows(name):
     m = EarlyExitModel(copy.deepcopy(tiny_model(name)[0]))

@@ -92,7 +92,7 @@ def test_fused_projection_is_the_side_by_side_outputs():
 # --------------------------------------------------------------------------------------------------------
 # Engine layers against HF's layers
 def _fresh(name: str) -> EarlyExitModel:
-    return EarlyExitModel(lively_model(name).hf)  # a new adapter (own engines) over the shared lively weights
+    return EarlyExitModel(lively_model(name).hf)  # a new one (own engines) over the shared lively weights
 
 
 @pytest.mark.parametrize("variant", ENGINE_OPTIONS)
@@ -233,6 +233,26 @@ def test_engine_config_errors_and_defaults():
     assert cuda is None
     assert default_options(torch.device("cuda"), compile=True).static_cache
     assert set(ENGINES["hf"]) == set(REFERENCE)
+
+
+@pytest.mark.parametrize("decoder", ["autoregressive", "prompt_lookup"])
+def test_the_check_changes_nothing_and_each_decoder_selects_its_engine(decoder):
+    """``check`` is pure; the engine a call decodes on is the decoder's explicit ``configure_engine``."""
+    from fastdecode.decoding.common import check
+
+    m = _fresh("tiny-llama")
+    prompts = random_prompts(2, seed=5, longest=6)
+    cfg = DecodeConfig(max_new_tokens=3, fast_layers=True, fast_linear=True, costs="estimated")
+    m.use_engine(None)
+    check(cfg, m, prompts)
+    assert m.engine is None  # validated, nothing switched
+    DECODERS[decoder](m, prompts, cfg)
+    assert m.engine is not None and m.engine.options == default_options(
+        m.device, fast_layers=True, fast_linear=True
+    )
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        DECODERS[decoder](m, [[m.vocab_size]], replace(cfg, fast_layers=False, fast_linear=False))
+    assert m.engine is not None  # a refused call leaves the engine alone
 
 
 # --------------------------------------------------------------------------------------------------------

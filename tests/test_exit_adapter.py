@@ -153,6 +153,20 @@ def test_a_saved_and_loaded_adapter_gives_identical_drafts(tmp_path):
     assert a.accepted == b.accepted and a.oracle == b.oracle and a.tokens == b.tokens
 
 
+def test_an_adapter_saved_again_into_the_same_directory_is_loaded_again(tmp_path):
+    """Decoding loads an adapter once per model and version of its files (fastdecode/file_cache.py)."""
+    from fastdecode.exit_adapter import adapter_for_decoding
+
+    m = lively_model("tiny-llama", 0.1)
+    path = _saved(tmp_path, m, perturbed_adapter(m, 2, "block", seed=1), "E")
+    cfg = DecodeConfig(max_new_tokens=4, adapter=path)
+    first, _ = adapter_for_decoding(cfg, m)
+    assert adapter_for_decoding(cfg, m)[0] is first  # the same files: the same module
+    _saved(tmp_path, m, perturbed_adapter(m, 3, "attention", seed=2), "E")  # trained again, same place
+    second, _ = adapter_for_decoding(cfg, m)
+    assert second is not first and (second.exit_layer, second.kind) == (3, "attention")
+
+
 # --------------------------------------------------------------------------------------------------------
 # Training leaves the base model untouched
 
@@ -203,7 +217,7 @@ _KILL_SCRIPT = textwrap.dedent(
         print("COMMIT", n, flush=True)
         time.sleep(float(sys.argv[2]))
 
-    build_features(EarlyExitModel(model), tokenizer, random_examples(12), sys.argv[1], fcfg, [1, 2], "synthetic",
+    build_features(EarlyExitModel(model), tokenizer, random_examples(12), sys.argv[1], fcfg, exits=[1, 2], data="synthetic",
                    on_commit=committed)
     print("DONE", flush=True)
     """
@@ -246,7 +260,9 @@ def test_feature_caching_resumes_after_kill_9_without_losing_or_duplicating(tmp_
     clean = tmp_path / "clean"  # the same build, uninterrupted, in this process
     model, tokenizer = tiny_model("tiny-llama")
     fcfg = FeatureConfig(batch_size=2, shard_records=2, top_k=4, dtype="float32")
-    build_features(EarlyExitModel(model), tokenizer, random_examples(12), clean, fcfg, [1, 2], "synthetic")
+    build_features(
+        EarlyExitModel(model), tokenizer, random_examples(12), clean, fcfg, exits=[1, 2], data="synthetic"
+    )
     got, want = _records(killed), _records(clean)
     assert sorted(int(r["index"]) for r in got) == list(range(12))  # every record exactly once
     assert len(got) == len(want) == 12
@@ -355,14 +371,15 @@ def test_a_feature_cache_of_another_model_tokenizer_or_setting_is_refused(tmp_pa
     model, tokenizer = tiny_model("tiny-llama")
     m = EarlyExitModel(model)
     fcfg = FeatureConfig(batch_size=2, shard_records=2, top_k=4, dtype="float32")
-    reader = build_features(m, tokenizer, random_examples(4), tmp_path, fcfg, [1, 2], "synthetic")
+    reader = build_features(m, tokenizer, random_examples(4), tmp_path, fcfg, exits=[1, 2], data="synthetic")
     assert len(reader) == 4 and len(FeatureDataset(reader, [2], "topk")) == 4
     assert (
-        len(build_features(m, tokenizer, random_examples(4), tmp_path, fcfg, [2], "synthetic")) == 4
+        len(build_features(m, tokenizer, random_examples(4), tmp_path, fcfg, exits=[2], data="synthetic"))
+        == 4
     )  # reused
     other = lively_model("tiny-llama")
     with pytest.raises(AdapterMismatchError, match="feature cache.*fingerprint"):
-        build_features(other, tokenizer, random_examples(4), tmp_path, fcfg, [1, 2], "synthetic")
+        build_features(other, tokenizer, random_examples(4), tmp_path, fcfg, exits=[1, 2], data="synthetic")
 
     class OtherTokenizer:
         name_or_path = "other"
@@ -371,16 +388,18 @@ def test_a_feature_cache_of_another_model_tokenizer_or_setting_is_refused(tmp_pa
             return {"a": 0}
 
     with pytest.raises(AdapterMismatchError, match="tokenizer"):
-        build_features(m, OtherTokenizer(), random_examples(4), tmp_path, fcfg, [1, 2], "synthetic")
+        build_features(
+            m, OtherTokenizer(), random_examples(4), tmp_path, fcfg, exits=[1, 2], data="synthetic"
+        )
     with pytest.raises(ShardHeaderError, match="top_k"):
         build_features(
-            m, tokenizer, random_examples(4), tmp_path, replace(fcfg, top_k=8), [1, 2], "synthetic"
+            m, tokenizer, random_examples(4), tmp_path, replace(fcfg, top_k=8), exits=[1, 2], data="synthetic"
         )
     with pytest.raises(ShardHeaderError, match="not \\[3\\]"):
-        build_features(m, tokenizer, random_examples(4), tmp_path, fcfg, [1, 3], "synthetic")
+        build_features(m, tokenizer, random_examples(4), tmp_path, fcfg, exits=[1, 3], data="synthetic")
     qwen = EarlyExitModel(tiny_model("tiny-qwen2")[0])
     with pytest.raises(AdapterMismatchError, match="model_type: 'llama' there, 'qwen2' here"):
-        build_features(qwen, tokenizer, random_examples(4), tmp_path, fcfg, [1, 2], "synthetic")
+        build_features(qwen, tokenizer, random_examples(4), tmp_path, fcfg, exits=[1, 2], data="synthetic")
 
 
 # --------------------------------------------------------------------------------------------------------

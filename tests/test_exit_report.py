@@ -58,4 +58,7 @@ def test_eval_exits_entry_point_writes_json_and_plot(tmp_path):
     assert set(reports["model"]["held_out"]["perplexity"]) == {1, 2, 3, 4}
     assert (tmp_path / "out" / "exits.png").is_file()
     # The recommendation comes from the cost model measured on the model, recorded beside it.
-    assert saved["model"]["costs"]["source"] == "measured" and saved["model"]["recommended"]["costs"] == "measured"
+    assert (
+        saved["model"]["costs"]["source"] == "measured"
+        and saved["model"]["recommended"]["costs"] == "measured"
+    )

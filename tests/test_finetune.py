@@ -112,18 +112,18 @@ def _lora_layout(name: str) -> str:
     return name.replace(".base_layer", "")
 
 
-def test_sft_with_lora_trains_only_the_adapters_and_exports_the_merged_model(tmp_path):
+def test_sft_with_lora_trains_only_the_lora_weights_and_exports_the_merged_model(tmp_path):
     job, cfg = _job(tmp_path, "peft=lora", "peft.r=4", "trainer.learning_rate=1e-2")
     run = finetune(job, cfg, SFT(job))
     live = dict(run.model.get_base_model().named_parameters())
-    adapters = {n: p for n, p in live.items() if "lora_" in n}
+    lora = {n: p for n, p in live.items() if "lora_" in n}
     frozen = {_lora_layout(n): p for n, p in live.items() if "lora_" not in n}
     base = dict(load_model(job.model)[0].named_parameters())  # the same seeded random init
-    assert adapters and frozen.keys() == base.keys()
+    assert lora and frozen.keys() == base.keys()
     assert all(torch.equal(p, base[n]) for n, p in frozen.items())  # base weights bitwise unchanged
     assert not any(p.requires_grad for p in frozen.values())
-    trained = [n for n, p in adapters.items() if n.endswith("lora_B.default.weight") and p.abs().sum() > 0]
-    assert trained  # lora_B starts at zero: it moved, so the adapters trained (and are not merged live)
+    trained = [n for n, p in lora.items() if n.endswith("lora_B.default.weight") and p.abs().sum() > 0]
+    assert trained  # lora_B starts at zero: it moved, so the LoRA weights trained (and are not merged live)
     assert run.summary["export_check"]["abs_diff"] < 1e-4
     merged = AutoModelForCausalLM.from_pretrained(run.summary["checkpoint"])
     assert not any("lora" in n for n, _ in merged.named_parameters())

@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from cllm_train.throughput import reference_trajectories
 from cllm_train.trajectories import Prompt
-from eval.collect_throughput import reference_trajectories
 from fastdecode.config import ConfigError
 from fastdecode.decoding import DECODERS, DecodeConfig, JacobiOptions
 from fastdecode.decoding.common import prefill
@@ -71,7 +71,7 @@ def test_fixed_point_is_the_greedy_continuation_and_states_follow_the_reference(
                 b > a for a, b in zip(mismatch, mismatch[1:], strict=False)
             )  # >= 1 more token fixed per iteration
             # The reference iteration (batch 1, no cache, prompt + block re-encoded) passes the same states.
-            ref = reference_trajectories(m.hf, Prompt(str(row), prompt), n, init, n, set(), seed=0)
+            ref = reference_trajectories(m.hf, Prompt(str(row), prompt), n, init, n, eos_ids=set(), seed=0)
             assert [r["states"] for r in ref] == [block.states]
 
 

@@ -394,7 +394,7 @@ def test_last_exit_only_equals_plain_causal_lm_fine_tuning(tiny_llama, num_items
     labels = ids.masked_fill(~valid, -100)
     labels[0, :3] = -100
     # The first real token of the padded row would be predicted from a pad query, whose output depends on
-    # how a fully masked attention row is treated (HF and the adapter differ); prompts are unlabelled anyway.
+    # how a fully masked attention row is treated (HF and EarlyExitModel differ); prompts are unlabelled anyway.
     labels[1, 4] = -100
     params = [p for p in model.parameters() if p.requires_grad]
     extra = {} if num_items is None else {"num_items_in_batch": num_items}

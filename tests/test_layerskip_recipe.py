@@ -186,7 +186,7 @@ def test_lora_adapters_train_merge_and_reload(tmp_path):
     changed = [
         n for n, p in merged.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])
     ]
-    assert any("q_proj" in n for n in changed)  # the adapters trained and were merged into the weights
+    assert any("q_proj" in n for n in changed)  # the LoRA weights trained and were merged into the weights
 
 
 @pytest.mark.parametrize(
@@ -200,7 +200,7 @@ def test_lora_adapters_train_merge_and_reload(tmp_path):
         ("recipe.layer_dropout.prob=-0.1", r"prob must be in \[0, 1\)"),
         ("recipe.early_exit_loss.scale_fn=log_l", r"Unknown early exit scale function 'log_l'.*Choices"),
         ("recipe.early_exit_loss.curriculum=cosine", r"Unknown curriculum 'cosine'.*rotational"),
-        ("recipe.early_exit_loss.rotation=4", r"rotation was renamed to recipe\.early_exit_loss\.stride"),
+        ("+recipe.early_exit_loss.rotation=4", r"Unknown key 'recipe\.early_exit_loss\.rotation'"),
         ("recipe.layer_dropout.layers_scale=cubic", r"Unknown .*'cubic'.*exp"),
         ("recipe.report.data=sharegtp", r"Unknown recipe.report.data 'sharegtp'.*sharegpt"),
     ],
@@ -265,7 +265,7 @@ def test_activation_checkpointing_really_recomputes_blocks():
         if enable:
             module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         seen: list[int] = []
-        module.adapter.layers[1].self_attn.register_forward_pre_hook(lambda *a, seen=seen: seen.append(1))
+        module.m.layers[1].self_attn.register_forward_pre_hook(lambda *a, seen=seen: seen.append(1))
         ids = torch.randint(5, 261, (2, 9))
         module(input_ids=ids, labels=ids)["loss"].backward()
         calls.append(len(seen))

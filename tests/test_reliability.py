@@ -494,7 +494,10 @@ def test_empty_after_filtering_counts_what_was_read(tmp_path):
     "override,message",
     [
         ("trainer.max_step=3", r"Unknown key 'trainer\.max_step'.*Did you mean 'max_steps'"),
-        ("trainer.eval_stepz=5", r"Unknown key 'trainer\.eval_stepz'.*Did you mean 'eval_steps'"),  # no + needed
+        (
+            "trainer.eval_stepz=5",
+            r"Unknown key 'trainer\.eval_stepz'.*Did you mean 'eval_steps'",
+        ),  # no + needed
         ("recipe.exit_layr=3", r"Unknown key 'recipe\.exit_layr'\. Did you mean 'exit_layer'"),
         ("modle=tiny-llama", r"Unknown key 'modle'\. Did you mean 'model'"),
         ("model=tiny-lama", r"Unknown model 'tiny-lama'\. Did you mean 'tiny-llama'"),

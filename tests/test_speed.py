@@ -178,8 +178,8 @@ def test_sweep_grid_batches_and_skips(tmp_path):
         ),
         (
             ["decoder=[autoregressive,skipdecode]", "+decoder.skipdecode.options.skip_max_budget=3"],
-            r"'decoder.skipdecode.options.skip_max_budget' was renamed: use "
-            r"'decoder.skipdecode.options.skip.max_budget'",
+            r"Unknown key 'decoder.skipdecode.options.skip_max_budget'\. Valid keys of "
+            r"decoder.skipdecode.options: .*\bskip\b",
         ),
         (
             ["decoder=[autoregressive,jacobi]", "decoder.jacobi.options.jacobi.block=1"],

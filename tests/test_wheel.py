@@ -64,10 +64,24 @@ def test_console_scripts_compose_and_train_from_another_folder(venv, tmp_path):
     train = str(venv / "bin" / "fastdecode-train")
     job = _run([train, "--cfg", "job", "model=tiny-llama"], tmp_path).stdout
     assert "tiny-llama" in job and "trainer:" in job
-    for script in ("fastdecode-collect", "fastdecode-speed", "fastdecode-exits", "fastdecode-regenerate"):
+    hydra_scripts = (
+        "fastdecode-collect",
+        "fastdecode-speed",
+        "fastdecode-exits",
+        "fastdecode-engine",
+        "fastdecode-regenerate",
+        "fastdecode-skipdecode-quality",
+        "fastdecode-collect-throughput",
+    )
+    for script in hydra_scripts:
         assert (
             "model" in _run([str(venv / "bin" / script), "--cfg", "job", "model=tiny-llama"], tmp_path).stdout
         )
+    assert "--steps" in _run([str(venv / "bin" / "fastdecode-train-cost"), "--help"], tmp_path).stdout
+    section = (ROOT / "pyproject.toml").read_text().split("[project.scripts]\n")[1].split("\n[")[0]
+    declared = {line.split("=")[0].strip() for line in section.splitlines() if "=" in line}
+    assert declared == {*hydra_scripts, "fastdecode-train", "fastdecode-train-cost"}  # every one tested here
+    assert all((venv / "bin" / script).is_file() for script in declared)
     data = tmp_path / "chat.jsonl"
     data.write_text(
         "".join(json.dumps({"prompt": f"Say {i}.", "response": f"{i} {i}"}) + "\n" for i in range(12))

@@ -46,7 +46,7 @@ def rss_peak_mb() -> float | None:
         return None
 
 
-def timed(runner: Callable, prompts: list[list[int]], budget: int, temperature: float, seed: int, device):
+def timed(runner: Callable, prompts: list[list[int]], budget: int, *, temperature: float, seed: int, device):
     """``(output, seconds, peak memory MB or None)`` of one call, the device synchronised around the clock."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -83,7 +83,13 @@ def runnable(methods: list[Method], size: int, temperature: float) -> tuple[list
 
 
 def warm_up(
-    job: SpeedJob, methods: list[Method], runners: dict, first: list[list[int]], temperature: float, size: int
+    job: SpeedJob,
+    methods: list[Method],
+    runners: dict,
+    first: list[list[int]],
+    *,
+    temperature: float,
+    size: int,
 ) -> dict:
     """Untimed calls on the first batch; for HF methods also the layer-counting pass. Returns the counts."""
     counted = {}
@@ -105,6 +111,7 @@ def run_batch(
     active: list[Method],
     runners: dict,
     group: list[Prompt],
+    *,
     where: tuple,
     device: torch.device,
 ) -> list[Record]:
@@ -115,8 +122,12 @@ def run_batch(
     records = []
     for m in active[shift:] + active[:shift]:
         runner = runners[m.name]
-        ttft = timed(runner, ids, 1, temperature, seed, device)[1] if job.ttft else None
-        out, seconds, memory = timed(runner, ids, job.max_new_tokens, temperature, seed, device)
+        ttft = (
+            timed(runner, ids, 1, temperature=temperature, seed=seed, device=device)[1] if job.ttft else None
+        )
+        out, seconds, memory = timed(
+            runner, ids, job.max_new_tokens, temperature=temperature, seed=seed, device=device
+        )
         records.append(
             Record(
                 method=m.name,
@@ -204,7 +215,8 @@ def measure(
     print(line, flush=True)
     hf_layers: dict = {}
     for s in settings:
-        hf_layers |= warm_up(job, s.active, runners, [p for _, p in s.groups[0]], s.temperature, s.size)
+        first = [p for _, p in s.groups[0]]
+        hf_layers |= warm_up(job, s.active, runners, first, temperature=s.temperature, size=s.size)
     total, _ = call_counts(job, settings)
     records: list[Record] = []
     desc = f"speed: {len(methods)} methods x {len(prompts)} prompts"
@@ -212,6 +224,6 @@ def measure(
         for repeat, s in itertools.product(range(job.repeats), settings):
             for index, group in enumerate(s.groups):
                 where = (repeat, s.temperature, s.size, index)
-                records += run_batch(job, s.active, runners, group, where, device)
+                records += run_batch(job, s.active, runners, group, where=where, device=device)
                 bar.update(len(s.active))
     return records, skipped, hf_layers

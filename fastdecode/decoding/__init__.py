@@ -1,4 +1,4 @@
-"""Decoding strategies: free functions over the adapter and its explicit KV cache, one strategy per module.
+"""Decoding strategies: free functions over the model (``EarlyExitModel``) and its explicit KV cache, one strategy per module.
 
 Every strategy has the same signature, so callers (eval, benchmarks) pick one by name::
 

@@ -76,6 +76,7 @@ def generate(
     """Speculative decoding of ``prompts`` on the target ``m``, drafting with the separate model ``draft``."""
     check_draft(m, draft, cfg, prompts)
     check(cfg, m, prompts)
+    configure_engine(m, cfg)  # the execution engines this call decodes on (the check changes nothing)
     configure_engine(draft, cfg)
     generator = new_generator(cfg, m.device)
     proposer = DraftModelProposer(

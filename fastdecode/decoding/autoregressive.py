@@ -1,4 +1,4 @@
-"""Autoregressive decoding on the adapter and the explicit cache: the baseline the other strategies match.
+"""Autoregressive decoding on the model and the explicit cache: the baseline the other strategies match.
 
 With ``cfg.exit_layer = E`` this is pure early exit: every token (prompt included) runs only layers ``< E``
 and the shared exit head. That is lossy, and the cache's layers ``>= E`` are never written, so such a cache
@@ -21,6 +21,7 @@ from fastdecode.decoding.common import (
     Rows,
     check,
     choose,
+    configure_engine,
     new_generator,
     prefill,
     probabilities,
@@ -103,6 +104,7 @@ def generate(
     layers when ``cfg.exit_layer`` is None)."""
     check(cfg, m, prompts)
     refuse_draft_model("autoregressive", draft)
+    configure_engine(m, cfg)  # the execution engine this call decodes on (the checks above change nothing)
     depth = cfg.exit_layer or m.num_layers
     schedule = [[range(depth)]] * cfg.max_new_tokens
     return decode_steps(m, prompts, cfg, schedule=schedule, prefill_depth=depth)

@@ -15,7 +15,6 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
@@ -62,15 +61,6 @@ class DecodeConfig:
     chain: bool = False
     costs: str = "measured"
 
-    # The flat keys of the per-decoder options before they were nested: ``to_dataclass`` names the new key.
-    RENAMED: ClassVar[dict[str, str]] = {
-        "skip_max_budget": "skip.max_budget",
-        "skip_min_budget": "skip.min_budget",
-        "skip_warmup_layers": "skip.warmup_layers",
-        "skip_max_length": "skip.max_length",
-        "jacobi_block": "jacobi.block",
-        "jacobi_init": "jacobi.init",
-    }
     # execution engine (fastdecode/engine.py); null = the default for the device (CPU: on; CUDA: off)
     fast_layers: bool | None = None  # lean layers over fused projections (Llama/Mistral/Qwen2 families)
     fast_linear: bool | None = None  # pre-packed CPU kernels for every projection and the LM head
@@ -192,17 +182,23 @@ class DecodeOutput:
 
 
 def configure_engine(m: EarlyExitModel, cfg: DecodeConfig) -> None:
-    """Select the model's execution engine for this call from ``cfg`` (``fastdecode/engine.py``)."""
+    """Select the model's execution engine for this call from ``cfg`` (``fastdecode/engine.py``): every decoder
+    calls it after its checks, before any work (the cost model measures the engine that decodes)."""
     m.use_engine(
         default_options(
-            m.device, cfg.fast_layers, cfg.fast_linear, cfg.linear_kernel, cfg.static_cache, cfg.compile
+            m.device,
+            fast_layers=cfg.fast_layers,
+            fast_linear=cfg.fast_linear,
+            kernel=cfg.linear_kernel,
+            static_cache=cfg.static_cache,
+            compile=cfg.compile,
         )
     )
 
 
 def check(cfg: DecodeConfig, m: EarlyExitModel, prompts: list[list[int]] | None = None) -> None:
-    """Validate ``cfg`` (and ``prompts``) against the model before any work is done; with prompts (a decoding
-    call), also select the model's execution engine for the call (``configure_engine``)."""
+    """Validate ``cfg`` (and ``prompts``) against the model before any work is done; changes nothing. A
+    decoder then selects the execution engine for the call itself (``configure_engine``)."""
     num_layers = m.num_layers
     if cfg.exit_layer is not None and not 1 <= cfg.exit_layer <= num_layers - 1:
         raise ConfigError(
@@ -225,7 +221,6 @@ def check(cfg: DecodeConfig, m: EarlyExitModel, prompts: list[list[int]] | None 
             )
         if min(prompt) < 0 or max(prompt) >= m.vocab_size:
             raise ConfigError(f"prompt {i} has token ids outside the vocabulary [0, {m.vocab_size}).")
-    configure_engine(m, cfg)
 
 
 def refuse_draft_model(name: str, draft: EarlyExitModel | None) -> None:

@@ -8,7 +8,6 @@ sides share only the file format: JSON ``{"vocab_size": V, "ids": [...], ...}``,
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
@@ -16,11 +15,13 @@ import torch
 
 from fastdecode.config import ConfigError
 from fastdecode.draft_vocab_file import load_draft_vocab
+from fastdecode.file_cache import FileCache
 from fastdecode.model import EarlyExitModel
 
+_LOADED = FileCache(maxsize=8)  # per file version and device
 
-@functools.lru_cache(maxsize=8)
-def _cached(path: str, mtime_ns: int, file_size: int, device: str) -> tuple[torch.Tensor, int]:
+
+def _load(path: Path, device: torch.device) -> tuple[torch.Tensor, int]:
     ids, vocab_size = load_draft_vocab(path)
     return ids.to(device), vocab_size
 
@@ -29,16 +30,15 @@ def draft_vocab_ids(path: str | os.PathLike | None, m: EarlyExitModel) -> torch.
     """The draft vocabulary ``ids [S]`` in the file ``path`` (``DecodeConfig.draft_vocab``) on the device of
     ``m`` (the model whose head drafts), checked against its vocabulary; None when ``path`` is None.
 
-    The tensor is loaded once per file version and device and the same object is returned every call, so the
-    adapter's gathered head rows are reused (``EarlyExitModel.exit_logits_subset``).
+    The tensor is loaded once per file version and device (``fastdecode/file_cache.py``) and the same object
+    is returned every call, so the drafter's gathered head rows are reused (``EarlyExitModel.exit_logits_subset``).
     """
     if path is None:
         return None
     path = Path(path)
     if not path.is_file():
         load_draft_vocab(path)  # raises the ConfigError that says how to build one
-    stat = path.stat()
-    ids, vocab_size = _cached(str(path.resolve()), stat.st_mtime_ns, stat.st_size, str(m.device))
+    ids, vocab_size = _LOADED.get([path], lambda: _load(path, m.device), key=str(m.device))
     # A tokenizer may be shorter than its model's (padded) embedding, never longer.
     if vocab_size > m.vocab_size or (len(ids) and int(ids.max()) >= m.vocab_size) or len(ids) == 0:
         raise ConfigError(

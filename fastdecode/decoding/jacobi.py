@@ -17,7 +17,15 @@ from __future__ import annotations
 import torch
 
 from fastdecode.config import ConfigError
-from fastdecode.decoding.common import DecodeConfig, DecodeOutput, Rows, check, prefill, refuse_draft_model
+from fastdecode.decoding.common import (
+    DecodeConfig,
+    DecodeOutput,
+    Rows,
+    check,
+    configure_engine,
+    prefill,
+    refuse_draft_model,
+)
 from fastdecode.jacobi import JacobiSolver, count_stationary, initial_guess, row_generator
 from fastdecode.model import EarlyExitModel
 
@@ -63,6 +71,7 @@ def generate(
     check(cfg, m, prompts)
     refuse_draft_model("jacobi", draft)
     _refuse(cfg)
+    configure_engine(m, cfg)  # the execution engine this call decodes on (the checks above change nothing)
     n = cfg.jacobi.block
     width = max(len(p) for p in prompts)
     state = prefill(m, prompts, width + cfg.max_new_tokens + 2 * n)

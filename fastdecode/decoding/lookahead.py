@@ -26,7 +26,14 @@ import torch
 
 from fastdecode.config import ConfigError
 from fastdecode.cost import cost_model
-from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, new_generator, refuse_draft_model
+from fastdecode.decoding.common import (
+    DecodeConfig,
+    DecodeOutput,
+    check,
+    configure_engine,
+    new_generator,
+    refuse_draft_model,
+)
 from fastdecode.decoding.ngram import PromptLookupProposer
 from fastdecode.decoding.proposers import one_hot
 from fastdecode.decoding.speculative import Draft, Round, Verdict, speculate
@@ -78,6 +85,7 @@ def generate(
     refuse_draft_model("lookahead", draft)
     if cfg.exit_layer is not None:
         raise ConfigError("decoder 'lookahead' verifies with the whole model: set decoder.exit_layer=null.")
+    configure_engine(m, cfg)  # the execution engine this call decodes on (the checks above change nothing)
     proposer = LookaheadProposer(prompts, cfg, cost_model(m, cfg.costs), m.vocab_size)
     generator = new_generator(cfg, m.device)
     return speculate(m, prompts, cfg, proposer, generator=generator)

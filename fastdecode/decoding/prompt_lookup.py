@@ -14,7 +14,14 @@ import torch
 
 from fastdecode.config import ConfigError
 from fastdecode.cost import cost_model
-from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, new_generator, refuse_draft_model
+from fastdecode.decoding.common import (
+    DecodeConfig,
+    DecodeOutput,
+    check,
+    configure_engine,
+    new_generator,
+    refuse_draft_model,
+)
 from fastdecode.decoding.ngram import PromptLookupProposer
 from fastdecode.decoding.speculative import speculate
 from fastdecode.model import EarlyExitModel
@@ -33,6 +40,7 @@ def generate(
             f"{cfg.exit_layer}), or use 'self_speculative' with decoder.chain=true to draft through an exit "
             "where the lookup finds nothing."
         )
+    configure_engine(m, cfg)  # the execution engine this call decodes on (the checks above change nothing)
     proposer = PromptLookupProposer(prompts, cfg, cost_model(m, cfg.costs), m.vocab_size)
     generator = new_generator(cfg, m.device)
     return speculate(m, prompts, cfg, proposer, generator=generator)

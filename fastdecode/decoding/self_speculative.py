@@ -29,7 +29,14 @@ import torch
 
 from fastdecode.config import ConfigError
 from fastdecode.cost import cost_model
-from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, new_generator, refuse_draft_model
+from fastdecode.decoding.common import (
+    DecodeConfig,
+    DecodeOutput,
+    check,
+    configure_engine,
+    new_generator,
+    refuse_draft_model,
+)
 from fastdecode.decoding.ngram import ChainProposer, PromptLookupProposer
 from fastdecode.decoding.proposers import ExitProposer, Proposer
 from fastdecode.decoding.speculative import speculate
@@ -63,5 +70,6 @@ def generate(
     """Self-speculative decoding of ``prompts`` with the drafter = layers ``< cfg.exit_layer``; lossless."""
     check(cfg, m, prompts)
     refuse_draft_model("self_speculative", draft)
+    configure_engine(m, cfg)  # the execution engine this call decodes on (the checks above change nothing)
     generator = new_generator(cfg, m.device)
     return speculate(m, prompts, cfg, exit_proposer(m, prompts, cfg, generator), generator=generator)

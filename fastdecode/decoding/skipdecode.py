@@ -21,7 +21,7 @@ import torch
 
 from fastdecode.config import ConfigError
 from fastdecode.decoding.autoregressive import decode_steps
-from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, refuse_draft_model
+from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, configure_engine, refuse_draft_model
 from fastdecode.model import EarlyExitModel
 from fastdecode.skipdecode import SkipDecodePolicy
 
@@ -51,6 +51,7 @@ def generate(
             f"decoder.exit_layer={cfg.exit_layer}: skipdecode always ends at the last layer (its budgets "
             "come from decoder.skip.*); set exit_layer=null."
         )
+    configure_engine(m, cfg)  # the execution engine this call decodes on (the checks above change nothing)
     width = max(len(p) for p in prompts)
     policy = policy_from_config(cfg, m.num_layers, width)
     budgets = policy.response_budgets(cfg.max_new_tokens, width).tolist()  # one per step, whole batch

@@ -2,6 +2,6 @@
 ``skipdecode_train``) and the recipes: the module a Trainer trains (``WrappedLM``), the Trainer logging
 mixin, the seeded draws of a training step.
 
-Nothing in the rest of ``fastdecode`` (adapter, data, decoders, reports) imports this package
+Nothing in the rest of ``fastdecode`` (the model, data, decoders, reports) imports this package
 (``tests/test_architecture.py``), so decoding never pulls in Trainer-side code.
 """

@@ -19,7 +19,7 @@ __all__ = ["WrappedLM", "causal_mask_from_padding"]
 
 
 def causal_mask_from_padding(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A collator's mask as the adapter's layers want it: ``[B, T]`` 0/1 (or bool) padding mask -> additive
+    """A collator's mask as ``EarlyExitModel.run_layers`` wants it: ``[B, T]`` 0/1 (or bool) padding mask -> additive
     causal ``[B, 1, T, T]`` of ``dtype``; a 4D mask (packed rows, already block-causal) is returned as is.
 
     A 2D mask without padding becomes None, so SDPA runs its causal kernel. (Unlike
@@ -33,7 +33,8 @@ def causal_mask_from_padding(mask: torch.Tensor | None, dtype: torch.dtype) -> t
 
 
 class WrappedLM(nn.Module):
-    """Holds ``model`` (a HF causal LM, possibly a peft model) and ``adapter`` (its ``EarlyExitModel``).
+    """Holds ``model`` (a HF causal LM, possibly a peft model) and ``m``, the model as ``EarlyExitModel`` (the
+    model seam every method's forward runs through; named ``m`` as everywhere in fastdecode).
 
     Subclasses implement ``forward(input_ids, labels, ..., num_items_in_batch=None) -> {"loss": ...}``.
     """
@@ -45,7 +46,7 @@ class WrappedLM(nn.Module):
         super().__init__()
         self.model = model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.adapter = EarlyExitModel(base)
+        self.m = EarlyExitModel(base)
         self.config = base.config
         self._keys_to_ignore_on_save = self._tied_aliases()  # the Trainer's name for keys not saved
 
@@ -70,7 +71,7 @@ class WrappedLM(nn.Module):
     def activation_checkpointing_enable(self, **kwargs) -> None:
         """The Trainer's ``activation_checkpointing=true``: recompute each block in backward.
 
-        The adapter calls HF's own layers, which checkpoint themselves once this is on.
+        ``EarlyExitModel`` calls HF's own layers, which checkpoint themselves once this is on.
         """
         self.model.activation_checkpointing_enable(**kwargs)
 

@@ -1,4 +1,5 @@
-"""The adapter must reproduce HF's own forward for every supported family (fp32, tiny random models)."""
+"""EarlyExitModel (the model seam, fastdecode/model.py) must reproduce HF's own forward for every supported
+family (fp32, tiny random models)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
 
 
 def _hf_final_norm(model):
-    """HF's own final norm module, looked up here independently of the adapter's registry."""
+    """HF's own final norm module, looked up here independently of fastdecode.model.FAMILIES."""
     if model.config.model_type == "opt":
         return model.model.decoder.final_layer_norm
     return model.model.norm

@@ -1,0 +1,90 @@
+"""``fastdecode-skipdecode-quality`` / ``python eval/skipdecode_quality.py [checkpoint=PATH] [skip.max_budget=20 ...]``.
+
+Writes ``skipdecode_quality.json`` into ``output_dir``: ROUGE-L and exact match of the ``skipdecode`` decoder's
+greedy outputs against full-depth greedy decoding, layers per generated token of both, and the perplexity of
+held-out reference answers under the policy and at full depth (``fastdecode/skipdecode_report.py``). Speed is
+``eval/speed.py decoder=[autoregressive,skipdecode]``. A checkpoint trained with ``recipe=skipdecode`` is
+decoded with the policy it was trained with (its ``skipdecode.json``; ``skip_file=<run>/final/skipdecode.json``
+names another run's): ``skip.*`` options left null take the trained values, options that contradict them are
+refused (``fastdecode.skipdecode.SkipPolicyMismatchError``), before the model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from fastdecode.config import CONFIG_DIR, ModelConfig, to_dataclass
+from fastdecode.data.config import DataConfig
+
+
+@dataclasses.dataclass
+class QualityJob:
+    model: ModelConfig
+    data: DataConfig
+    # DecodeConfig.skip (fastdecode.skipdecode.SkipOptions), converted in run(): importing the decoders at the
+    # top would make --help and --cfg wait for torch and transformers.
+    skip: dict = dataclasses.field(default_factory=dict)
+    skip_file: str | None = "auto"
+    checkpoint: str | None = None
+    prompts: int = 32
+    max_new_tokens: int = 64
+    batch_size: int = 8
+    output_dir: str = "outputs/skipdecode-quality"
+
+
+def run(cfg: Any) -> dict:
+    """Decode the held-out prompts both ways, score, write and return the report."""
+    from fastdecode.checkpoint_info import checkpoint_model
+    from fastdecode.data.chat import build_datasets
+    from fastdecode.decoding import DecodeConfig
+    from fastdecode.io import atomic_write_json
+    from fastdecode.loading import load_model
+    from fastdecode.model import EarlyExitModel
+    from fastdecode.skipdecode import SkipOptions, read_trained_policy, trained_options, trained_policy_file
+    from fastdecode.skipdecode_report import skipdecode_quality, split_examples
+
+    job = to_dataclass(QualityJob, cfg, "")
+    model_cfg = checkpoint_model(job.model, job.checkpoint)  # a contradicting model= fails before any load
+    skip_file = trained_policy_file(job.checkpoint, job.skip_file)
+    skip = to_dataclass(SkipOptions, job.skip, "skip")
+    if skip_file:  # the policy the checkpoint was trained with: contradicting options fail before any load
+        override = "set skip_file=null"
+        skip = trained_options(
+            read_trained_policy(skip_file), skip, source=skip_file, override=override, keys="skip."
+        )
+    decode = DecodeConfig(max_new_tokens=job.max_new_tokens, skip=skip)
+    model, tokenizer = load_model(model_cfg)
+    decode = dataclasses.replace(decode, eos_token_id=tokenizer.eos_token_id)
+    held_out = build_datasets(dataclasses.replace(job.data, max_samples=1), tokenizer)[1][: job.prompts]
+    report = skipdecode_quality(
+        EarlyExitModel(model), split_examples(held_out), decode, held_out, job.batch_size
+    )
+    report["options"] = {
+        "skip": dataclasses.asdict(skip),
+        "skip_file": skip_file,
+        "checkpoint": job.checkpoint,
+    }
+    atomic_write_json(Path(job.output_dir) / "skipdecode_quality.json", report)
+    return report
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="skipdecode_quality", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    report = run(cfg)
+    print({k: v for k, v in report.items() if k != "options"})
+
+
+def main() -> None:
+    from fastdecode_cli.launch import check_command_line
+
+    check_command_line("skipdecode_quality")  # checkpoint= alone is the model; misspelt keys: did-you-mean
+    _main()
+
+
+if __name__ == "__main__":
+    main()
