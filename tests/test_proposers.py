@@ -18,6 +18,7 @@ from fastdecode.decoding.lookahead import LookaheadProposer
 from fastdecode.decoding.ngram import ChainProposer, NgramIndex, PromptLookupProposer
 from fastdecode.decoding.proposers import DraftModelProposer, ExitProposer
 from fastdecode.decoding.self_speculative import exit_proposer
+from fastdecode.decoding.speculative import Draft, Settled
 from fastdecode.draft_vocab_file import save_draft_vocab
 from fastdecode.exit_adapter import save_adapter
 from fastdecode.model import EarlyExitModel
@@ -159,10 +160,18 @@ def test_drafting_through_an_adapter_scores_only_its_own_vocabulary(tmp_path, mo
 
 # --------------------------------------------------------------------------------------------------------
 # Lossless: greedy output equals autoregressive
+NEVER_RETIRED = LookupOptions(fallback_trial=0)  # a chain whose fallback drafts to the end
 N_GRAM_DECODERS = {
     "prompt_lookup": ("prompt_lookup", {}),
     "lookahead": ("lookahead", {}),
-    "chain_exit": ("self_speculative", {"exit_layer": 2, "chain": True}),
+    "chain_exit": (
+        "self_speculative",
+        {"exit_layer": 2, "chain": True, "lookup": LookupOptions(fallback_trial=0)},
+    ),
+    "chain_exit_retiring": (
+        "self_speculative",
+        {"exit_layer": 2, "chain": True, "lookup": LookupOptions(fallback_trial=2)},
+    ),
 }
 
 
@@ -227,6 +236,43 @@ def test_a_chain_drafts_from_the_lookup_where_the_text_matches():
     assert looked_up[1] > 0 and looked_up[0] / looked_up[1] > 0.9
 
 
+def test_a_chain_retires_a_fallback_that_does_not_pay_on_the_text():
+    """A random model's exit E=1 is rarely right: after ``fallback_trial`` of its row-rounds the chain has
+    booked fewer tokens than steps and stops drafting through it (still lossless); with 0 it drafts on."""
+    m = lively_model("tiny-llama")  # upper layers at full strength: exit 1 rarely agrees with the output
+    prompts = random_prompts(2, seed=53)
+    base = DecodeConfig(max_new_tokens=40, exit_layer=1, chain=True, draft_tokens=3, costs="estimated")
+    ref = autoregressive(m, prompts, DecodeConfig(max_new_tokens=40)).tokens
+    kept = DECODERS["self_speculative"](m, prompts, replace(base, lookup=NEVER_RETIRED))
+    retired = DECODERS["self_speculative"](m, prompts, replace(base, lookup=LookupOptions(fallback_trial=4)))
+    assert kept.tokens == ref and retired.tokens == ref
+    exit_kept, exit_retired = kept.by_proposer["exit"], retired.by_proposer["exit"]
+    assert exit_kept[0] / exit_kept[1] < 0.3  # the premise: its drafts rarely land
+    assert exit_retired[2] < exit_kept[2] / 2  # its row-rounds: about the trial
+
+
+def test_the_chain_judges_the_fallback_by_the_cost_model():
+    """Retired exactly when the fallback's rows yielded fewer tokens than their rounds cost."""
+    m = lively_model("tiny-llama", 0.1)
+    chain = exit_proposer(
+        m,
+        random_prompts(1, seed=54),
+        DecodeConfig(max_new_tokens=8, exit_layer=1, chain=True, costs="estimated"),
+        torch.Generator(),
+    )
+    cost = chain.fallback.round_cost(2)
+    assert 1 < cost < 3
+    draft = Draft(torch.zeros(1, 2, dtype=torch.long), lengths=[2], sources=["exit"])
+    for _ in range(16):  # 2 accepted + 1 = 3 tokens for `cost` steps: it pays
+        chain.judge(draft, Settled(accepted=[2], kept=[2], lengths=[2]))
+    assert not chain.retired and chain.judged == 16
+    for _ in range(64):  # nothing accepted: 1 token per `cost` steps
+        chain.judge(draft, Settled(accepted=[0], kept=[0], lengths=[2]))
+        if chain.retired:
+            break
+    assert chain.retired and chain.gained < chain.spent <= chain.gained + cost
+
+
 # --------------------------------------------------------------------------------------------------------
 # Lossless: sampling follows the target's distribution
 @pytest.mark.parametrize(
@@ -235,9 +281,10 @@ def test_a_chain_drafts_from_the_lookup_where_the_text_matches():
         ("prompt_lookup", {"policy": "constant"}),
         ("prompt_lookup", {"policy": "adaptive", "top_k": 4}),
         ("lookahead", {"policy": "constant"}),
-        ("self_speculative", {"exit_layer": 1, "chain": True, "policy": "constant"}),
+        ("self_speculative", {"exit_layer": 1, "chain": True, "policy": "constant", "lookup": NEVER_RETIRED}),
+        ("self_speculative", {"exit_layer": 1, "chain": True, "lookup": LookupOptions(fallback_trial=1)}),
     ],
-    ids=["lookup", "lookup-adaptive-topk", "lookahead", "chain"],
+    ids=["lookup", "lookup-adaptive-topk", "lookahead", "chain", "chain-retired"],
 )
 def test_ngram_sampling_matches_the_target_distribution(method, options):
     """4000 rows of one prompt, 4 new tokens: drafts are deterministic (q one-hot), accepted with

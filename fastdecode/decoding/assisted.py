@@ -89,5 +89,6 @@ def generate(
         target=m,
     )
     if cfg.chain:
-        proposer = ChainProposer(PromptLookupProposer(prompts, cfg, proposer.costs, m.vocab_size), proposer)
+        lookup = PromptLookupProposer(prompts, cfg, proposer.costs, m.vocab_size)
+        proposer = ChainProposer(lookup, proposer, judge_after=cfg.lookup.fallback_trial)
     return speculate(m, prompts, cfg, proposer, generator=generator)

@@ -151,12 +151,25 @@ class PromptLookupProposer(Proposer):
 
 
 class ChainProposer(Proposer):
-    """Prompt lookup first, per row; ``fallback`` (a model proposer) where the lookup finds nothing."""
+    """Prompt lookup first, per row; ``fallback`` (a model proposer) where the lookup finds nothing.
 
-    def __init__(self, lookup: PromptLookupProposer, fallback: ModelProposer) -> None:
+    The fallback drafts only while it pays on this call's text: once it has drafted ``judge_after`` row-rounds
+    and the tokens those rounds yielded (accepted + the verifier's own) fall short of the plain decoding steps
+    they cost (``round_cost``, ``fastdecode/cost.py``), it is retired for the rest of the call; rows the
+    lookup does not match then take a plain step (their last token only, through the drafter's layers so
+    its cache stays complete). A recorded acceptance measured on other text can overstate it (a drafter
+    trained on chat, asked to rewrite code): this is where the plan meets the text. ``judge_after=0``: never.
+    """
+
+    def __init__(
+        self, lookup: PromptLookupProposer, fallback: ModelProposer, *, judge_after: int = 16
+    ) -> None:
         self.lookup, self.fallback = lookup, fallback
         self.name = f"prompt_lookup+{fallback.name}"
         self.costs, self.depth, self.vocab = fallback.costs, fallback.depth, fallback.vocab
+        self.judge_after = judge_after
+        self.retired = False
+        self.judged, self.gained, self.spent = 0, 0.0, 0.0  # the fallback's row-rounds, tokens, steps
 
     def start(self, m, prompts, capacity):
         return self.fallback.start(m, prompts, capacity)
@@ -176,7 +189,9 @@ class ChainProposer(Proposer):
         lengths = [len(d) for d in drafts]
         live = r.active.tolist()
         matched = [bool(n) for n, on in zip(lengths, live, strict=True) if on]
-        if matched and all(matched):  # every decoding row matched: one forward through the drafter's layers
+        if self.retired or (
+            matched and all(matched)
+        ):  # every decoding row matched: one forward through the drafter's layers
             return self.fallback.absorb(r, self.lookup.pad(drafts, r.last.device), lengths, self.lookup.name)
         if not any(matched):
             draft = self.fallback.draft(r)
@@ -187,3 +202,16 @@ class ChainProposer(Proposer):
     def update(self, r: Round, draft: Draft, verdict: Verdict, done) -> None:
         self.lookup.learn(done)
         self.fallback.update(r, draft, verdict, done)
+        if self.judge_after and not self.retired:
+            self.judge(draft, done)
+
+    def judge(self, draft: Draft, done) -> None:
+        """Book the fallback's rows of the round; retire it once it yields fewer tokens than it costs."""
+        for source, accepted, drafted in zip(draft.sources, done.accepted, draft.row_lengths(), strict=True):
+            if source == self.fallback.name and accepted is not None:
+                self.judged += 1
+                self.gained += accepted + 1
+                self.spent += self.fallback.round_cost(drafted)
+        if self.judged >= self.judge_after and self.gained < self.spent:
+            self.retired = True
+            self.fallback.retire()

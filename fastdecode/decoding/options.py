@@ -38,14 +38,22 @@ class LookupOptions:
     """``decoder.lookup``: n-gram drafting from a row's own text (``prompt_lookup``, ``lookahead``, and the
     chains of ``self_speculative``/``assisted`` with ``decoder.chain=true``; ``fastdecode/decoding/ngram.py``).
     ``max_ngram_size``: the longest suffix looked up (transformers' ``max_matching_ngram_size``);
-    ``min_ngram_size``: the shortest. The most tokens proposed is ``decoder.draft_tokens``."""
+    ``min_ngram_size``: the shortest. The most tokens proposed is ``decoder.draft_tokens``.
+    ``fallback_trial``: in a chain, the row-rounds the exit, adapter or draft model drafts before it must have
+    paid for itself on this call's text to go on drafting (``ngram.ChainProposer``); 0: it is never retired."""
 
     max_ngram_size: int = 3
     min_ngram_size: int = 1
+    fallback_trial: int = 16
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram_size <= self.max_ngram_size:
             raise ConfigError(
                 f"decoder.lookup: min_ngram_size={self.min_ngram_size}, max_ngram_size={self.max_ngram_size}: "
                 "need 1 <= min_ngram_size <= max_ngram_size."
+            )
+        if self.fallback_trial < 0:
+            raise ConfigError(
+                f"decoder.lookup.fallback_trial={self.fallback_trial}: need >= 0 (0: the fallback is never "
+                "retired)."
             )

@@ -126,6 +126,7 @@ class ModelProposer(Proposer):
         # Exit hidden states [B, n, H] and positions [B, n] of the slots the adapter has not seen yet (the
         # slots [cache.lengths[adapter.slot], cache.lengths[0]) once rollback has cut them).
         self.backlog: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.adapter_retired = False
 
     # -- the exit adapter's backlog ---------------------------------------------------------------------
     def _adapt(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -137,8 +138,13 @@ class ModelProposer(Proposer):
             self.backlog = None
         return self.adapter(self.model, hidden, pos, cache=self.cache)[:, -1:]
 
+    def retire(self) -> None:
+        """Its own drafts have stopped (a chain retired it): the adapter never reads its cache layer again,
+        so nothing more is kept for it. Passing drafts through its layers (``absorb``) goes on."""
+        self.adapter_retired, self.backlog = True, None
+
     def _push_backlog(self, hidden: torch.Tensor, pos: torch.Tensor) -> None:
-        if self.adapter is None:
+        if self.adapter is None or self.adapter_retired:
             return
         if self.backlog is None:
             self.backlog = (hidden, pos)

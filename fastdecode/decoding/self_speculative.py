@@ -59,7 +59,8 @@ def exit_proposer(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig
     costs = cost_model(m, cfg.costs)
     proposer = ExitProposer(m, exit_layer, cfg, generator, costs=costs, adapter=adapter, vocab=vocab)
     if cfg.chain:
-        return ChainProposer(PromptLookupProposer(prompts, cfg, costs, m.vocab_size), proposer)
+        lookup = PromptLookupProposer(prompts, cfg, costs, m.vocab_size)
+        return ChainProposer(lookup, proposer, judge_after=cfg.lookup.fallback_trial)
     return proposer
 
 
