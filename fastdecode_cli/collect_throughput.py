@@ -14,6 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from fastdecode.config import CONFIG_DIR
+from fastdecode_cli.launch import check_command_line, one_line_errors
 
 BENCH_KEYS = ("bench_prompts", "warmup")  # the benchmark's own keys; the rest is a CollectJob
 
@@ -34,13 +35,13 @@ def run(cfg: Any) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="collect_throughput", version_base="1.3")
+@one_line_errors
 def _main(cfg: DictConfig) -> None:
     print(OmegaConf.to_yaml(OmegaConf.create(run(cfg))))
 
 
+@one_line_errors
 def main() -> None:
-    from fastdecode_cli.launch import check_command_line
-
     check_command_line("collect_throughput")  # misspelt keys get our did-you-mean; --help lists its groups
     _main()
 

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR, ModelConfig, to_dataclass
 from fastdecode.data.config import DataConfig
+from fastdecode_cli.launch import check_command_line, one_line_errors
 
 
 @dataclasses.dataclass
@@ -125,6 +126,7 @@ def adapter_report(model, tokenizer, job: ExitsJob, prompts: list[str]) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="exits", version_base="1.3")
+@one_line_errors
 def _main(cfg: DictConfig) -> None:
     reports = run(cfg)
     for label, report in reports.items():
@@ -132,9 +134,8 @@ def _main(cfg: DictConfig) -> None:
         print(label, {k: round(v, 3) for k, v in agreement.items()}, report["recommended"])
 
 
+@one_line_errors
 def main() -> None:
-    from fastdecode_cli.launch import check_command_line
-
     check_command_line("exits")  # misspelt keys get our did-you-mean; --help lists this config's groups
     _main()
 

@@ -1,6 +1,9 @@
-"""What the entry points do before Hydra parses the command line.
+"""What the entry points do around Hydra: report user errors in one line, and work before Hydra parses.
 
-Strip the multi-process launchers' arguments, and check the overrides the way Hydra will compose them, so a
+``one_line_errors`` wraps every console script's ``main`` and its Hydra task function: a
+``fastdecode.errors.UserError`` (``ConfigError`` and the other named errors) prints ``error: <message>`` on
+stderr (rank 0 of a multi-process launch; every rank exits 2), no traceback and no Hydra banner;
+``HYDRA_FULL_ERROR=1`` re-raises it for the full traceback. Other exceptions are bugs and keep theirs. Strip the multi-process launchers' arguments, and check the overrides the way Hydra will compose them, so a
 misspelt key or group option fails with our did-you-mean message (Hydra would suggest ``+key=`` to append
 it), and ``--help`` lists only the config groups the entry point composes (the configs folder is shared:
 Hydra's own help would also list, e.g., ``decoder`` under ``train``, which train does not accept).
@@ -8,10 +11,39 @@ Hydra's own help would also list, e.g., ``decoder`` under ``train``, which train
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+USER_ERROR_EXIT = 2  # the exit code of a user error (argparse's, for a bad command line, too)
+
+
+def one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` with its user errors (``fastdecode.errors.UserError``) printed as one line ``error: <msg>``
+    on stderr (rank 0) and exit code 2 (every rank). Inside ``@hydra.main`` (on the task function) too:
+    Hydra would otherwise print its banner and a traceback. ``HYDRA_FULL_ERROR=1``: raised as it is."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from fastdecode.errors import UserError
+
+        try:
+            return func(*args, **kwargs)
+        except UserError as err:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            from fastdecode.distributed import is_main_process
+
+            if is_main_process():
+                sys.stdout.flush()
+                print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(USER_ERROR_EXIT)
+
+    return wrapper
 
 
 def strip_launcher_args(argv: list[str] | None = None) -> list[str]:

@@ -28,6 +28,7 @@ from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, to_dataclass
 from fastdecode.data.chat import user_prompt_ids
 from fastdecode.data.config import DataConfig, check_data_files, check_trainable
 from fastdecode.io import atomic_write_text
+from fastdecode_cli.launch import check_command_line, one_line_errors
 
 logger = logging.getLogger(__name__)
 
@@ -100,13 +101,13 @@ def run(cfg: Any) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="regenerate", version_base="1.3")
+@one_line_errors
 def _main(cfg: DictConfig) -> None:
     print(run(cfg))
 
 
+@one_line_errors
 def main() -> None:
-    from fastdecode_cli.launch import check_command_line
-
     check_command_line("regenerate")  # misspelt keys get our did-you-mean; --help lists this config's groups
     _main()
 

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR, ModelConfig, to_dataclass
 from fastdecode.data.config import DataConfig
+from fastdecode_cli.launch import check_command_line, one_line_errors
 
 
 @dataclasses.dataclass
@@ -74,14 +75,14 @@ def run(cfg: Any) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="skipdecode_quality", version_base="1.3")
+@one_line_errors
 def _main(cfg: DictConfig) -> None:
     report = run(cfg)
     print({k: v for k, v in report.items() if k != "options"})
 
 
+@one_line_errors
 def main() -> None:
-    from fastdecode_cli.launch import check_command_line
-
     check_command_line("skipdecode_quality")  # checkpoint= alone is the model; misspelt keys: did-you-mean
     _main()
 
