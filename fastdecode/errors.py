@@ -86,27 +86,28 @@ def free_bytes(path: str | os.PathLike) -> int | None:
         return None
 
 
-def disk_full_error(path: str | os.PathLike, fix: str = "") -> DiskFullError:
-    """The error for a write into ``path`` that ran out of space."""
+def disk_full_error(path: str | os.PathLike, lower: str = "", note: str = "") -> DiskFullError:
+    """The error for a write into ``path`` that ran out of space; ``lower``: what else lowers the need (e.g.
+    ``"trainer.save_total_limit"``), ``note``: what was done about it (e.g. an incomplete file deleted)."""
     free = free_bytes(path)
-    room = f" ({human_bytes(free)} free now)" if free is not None else ""
+    room = f", {human_bytes(free)} free now" if free is not None else ""
+    also = f", or lower {lower}," if lower else ""
     return DiskFullError(
-        f"the disk is full: writing {path} failed{room}. Free space on that disk{fix or ''} and run again; "
-        "what was complete before is kept and a rerun resumes from it.",
+        f"the disk is full: writing {path} failed (no space left on device{room}){note}. Free space on that "
+        f"disk{also} and run again: what was complete is kept, and the rerun resumes from it.",
         path,
     )
 
 
 @contextlib.contextmanager
-def disk_full_errors(path: str | os.PathLike, fix: str = "") -> Iterator[None]:
-    """Inside: any way of saying "the disk is full" becomes ``DiskFullError`` naming ``path`` (``fix``: what
-    else lowers the need, e.g. ``" or lower trainer.save_total_limit"``). A ``DiskFullError`` raised further
-    in (it names the file) passes through unchanged."""
+def disk_full_errors(path: str | os.PathLike, lower: str = "") -> Iterator[None]:
+    """Inside: any way of saying "the disk is full" becomes ``DiskFullError`` naming ``path`` (``lower``: see
+    ``disk_full_error``). A ``DiskFullError`` raised further in (it names the file) passes through unchanged."""
     try:
         yield
     except DiskFullError:
         raise
     except Exception as err:
         if is_disk_full(err):
-            raise disk_full_error(path, fix) from err
+            raise disk_full_error(path, lower) from err
         raise

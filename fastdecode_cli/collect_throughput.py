@@ -24,11 +24,12 @@ def run(cfg: Any) -> dict:
     from cllm_train.collect import CollectJob
     from cllm_train.throughput import collect_throughput
     from fastdecode.config import to_dataclass, to_plain
-    from fastdecode.io import atomic_write_json
+    from fastdecode.io import atomic_write_json, check_writable
 
     plain = to_plain(cfg)
     bench = {k: plain.pop(k) for k in BENCH_KEYS}
     job = to_dataclass(CollectJob, plain, "")
+    check_writable(job.output_dir)  # before the models load
     report = collect_throughput(job, **bench)
     atomic_write_json(Path(job.output_dir) / "collect_throughput.json", report)
     return report

@@ -13,7 +13,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR
-from fastdecode_cli.launch import one_line_errors
+from fastdecode_cli.launch import check_command_line, one_line_errors
 
 
 def run(cfg: Any) -> dict:
@@ -32,6 +32,7 @@ def _main(cfg: DictConfig) -> None:
 
 @one_line_errors
 def main() -> None:
+    check_command_line("engine")  # misspelt keys get our did-you-mean; a read-only output_dir is refused
     _main()
 
 

@@ -42,12 +42,13 @@ def run(cfg: Any) -> dict:
     from fastdecode.data.chat import build_datasets
     from fastdecode.data.config import check_data_files
     from fastdecode.exit_report import exit_report, plot_reports
-    from fastdecode.io import atomic_write_json
+    from fastdecode.io import atomic_write_json, check_writable
     from fastdecode.loading import load_model
     from fastdecode.model import EarlyExitModel
 
     job = to_dataclass(ExitsJob, cfg, "")
     check_data_files(job.data)  # before any model loads
+    check_writable(job.output_dir)
     targets = report_targets(job)  # a model that contradicts the checkpoint fails here, before any report
     reports, held_out = {}, None
     for label, model_cfg in targets.items():

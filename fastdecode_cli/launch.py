@@ -215,9 +215,26 @@ def check_command_line(config_name: str, argv: list[str] | None = None) -> None:
         print_help(config_name, overrides)
         sys.exit(0)
     try:
-        _compose(config_name, overrides)
+        cfg = _compose(config_name, overrides)
     except Exception as err:
         ours = _override_error(config_name, overrides, err)
         if ours is not None:
             raise ours from None
-        # anything else: Hydra reports it in its own words when it composes
+        return  # anything else: Hydra reports it in its own words when it composes
+    if not args.cfg:
+        check_output_dir(cfg)
+
+
+def check_output_dir(cfg) -> None:
+    """Hydra creates ``output_dir`` (its run directory) and writes ``.hydra/`` into it before the task runs:
+    a read-only one is refused here with ``OutputNotWritableError`` instead of Hydra's raw OSError."""
+    from omegaconf import OmegaConf
+
+    from fastdecode.io import check_writable
+
+    try:
+        output_dir = OmegaConf.select(cfg, "output_dir")
+    except Exception:  # an interpolation that cannot resolve yet: the run itself will say why
+        return
+    if output_dir:
+        check_writable(output_dir)
