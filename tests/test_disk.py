@@ -180,7 +180,9 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_for_the_resume(t
     monkeypatch.delenv(FAULT)
     assert latest_complete_checkpoint(run) == str(run / "checkpoint-2")
     fastdecode_recipes.run(sft_cfg(tmp_path, "resume_from_checkpoint=auto"))
-    assert checkpoint_problem(run / "checkpoint-4") is None and (run / "final" / "model.safetensors").is_file()
+    assert (
+        checkpoint_problem(run / "checkpoint-4") is None and (run / "final" / "model.safetensors").is_file()
+    )
 
 
 def test_a_really_full_disk_during_training_is_named(tmp_path, monkeypatch):
