@@ -73,6 +73,16 @@ class FeatureConfig:
                 f"batch_size={self.batch_size} (a resumed run then batches exactly like an uninterrupted one)."
             )
 
+    def record_bytes(self, positions: int, scored: int, *, exits: int, hidden: int) -> int:
+        """Bytes of one cached record (``adapter_train/features.py``'s fields) of a sequence of ``positions``
+        tokens with ``scored`` trained positions, for ``exits`` exits and hidden size ``hidden``: ids and
+        positions int32, hidden states at ``dtype``, top-k ids int32 and log-probabilities float32, plus the
+        index and the per-field offsets (int64) of the shard."""
+        width = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        per_position = 4 + exits * hidden * width  # input_ids, h<E>
+        per_scored = 3 * 4 + self.top_k * (4 + 4) + hidden * width  # scored/targets/teacher, top-k, final
+        return positions * per_position + scored * per_scored + 8 * (1 + 7 + exits)
+
 
 @dataclass
 class ReportConfig:

@@ -34,6 +34,7 @@ import torch
 from adapter_train.config import FeatureConfig
 from fastdecode.data.chat import IGNORE_INDEX
 from fastdecode.exit_adapter import base_identity, check_base
+from fastdecode.io import check_free_space
 from fastdecode.model import EarlyExitModel
 from fastdecode.tensor_shards import MANIFEST, ShardHeaderError, ShardReader, ShardWriter, check_header
 
@@ -234,6 +235,16 @@ def generation_features(
     return records
 
 
+def cache_bytes(examples: list[dict], fcfg: FeatureConfig, exits: int, hidden: int) -> int:
+    """Bytes the cache of ``examples`` will take (``FeatureConfig.record_bytes``); with ``source=generate``
+    a lower bound: the answers' lengths are unknown before they are generated, each counts one token."""
+    if fcfg.source == "generate":
+        sizes = [(len(ex["input_ids"]) + 1, 1) for ex in examples]
+    else:
+        sizes = [(len(ex["input_ids"]), len(scored_positions(ex["labels"]))) for ex in examples]
+    return sum(fcfg.record_bytes(t, n, exits=exits, hidden=hidden) for t, n in sizes)
+
+
 def build_features(
     m: EarlyExitModel,
     tokenizer: Any,
@@ -262,7 +273,15 @@ def build_features(
         return ShardReader(directory, limit=len(order))
     if found is not None:
         header["exits"] = cached_exits = found["header"]["exits"]
-    writer = ShardWriter(directory, header, fcfg.shard_records)
+    lower = "recipe.features.max_records, recipe.features.exits or recipe.features.dtype=bfloat16"
+    writer = ShardWriter(directory, header, fcfg.shard_records, lower=lower)
+    todo = [examples[i] for i in order[writer.records :]]
+    check_free_space(
+        directory,
+        cache_bytes(todo, fcfg, len(cached_exits), m.config.hidden_size),
+        "the feature cache",
+        lower,
+    )
     if writer.complete:
         writer.reopen()
     dtype = getattr(torch, fcfg.dtype)

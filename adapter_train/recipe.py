@@ -106,6 +106,7 @@ class ExitAdapterRecipe(Recipe):
     only) its module; the export is ``final/E<e>/`` per exit and ``final/adapters.json``, never the base."""
 
     trainer_class = AdapterTrainer
+    checkpoints_the_model = False  # adapters only: the feature cache is what is big (its own disk check)
 
     def __init__(self, job: TrainJob) -> None:
         super().__init__(job)

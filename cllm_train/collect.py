@@ -31,6 +31,7 @@ from fastdecode.data.chat import tokenize_conversation
 from fastdecode.data.config import DataConfig, check_data_files, check_trainable
 from fastdecode.data.sources import load_records
 from fastdecode.distributed import world_size
+from fastdecode.io import check_writable
 from fastdecode.jacobi import check_block_size
 from fastdecode.loading import load_model, load_tokenizer
 from fastdecode.locks import file_lock
@@ -181,6 +182,7 @@ def run(cfg: Any, after_commit: Callable[[int], None] | None = None) -> dict:
     job = to_dataclass(CollectJob, cfg, "")
     check_trainable(job.data)  # benchmarks never become training data: refused before anything loads
     check_data_files(job.data)
+    check_writable(job.output_dir)  # before the tokenizer, the prompts and the model
     rank, world = _distributed()
     from fastdecode.assets import model_load_path
 

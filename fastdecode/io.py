@@ -1,7 +1,10 @@
 """Atomic file and directory writes: a reader never sees a half-written file, a crash never leaves one behind.
 
 What they leave has the permissions the umask gives (``tempfile.mkdtemp`` makes 0700 directories and some
-writers, safetensors among them, 0600 files: a shared cache or an exported model must stay readable).
+writers, safetensors among them, 0600 files: a shared cache or an exported model must stay readable). A write
+that runs out of space raises ``fastdecode.errors.DiskFullError`` naming the destination, which keeps its
+previous version. Before the work: ``check_writable`` (a probe file) and ``check_free_space`` (an estimate
+against ``shutil.disk_usage``) raise the named errors of ``fastdecode.errors``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,14 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from fastdecode.errors import (
+    DiskSpaceError,
+    OutputNotWritableError,
+    disk_full_errors,
+    free_bytes,
+    human_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +41,13 @@ def atomic_path(dest: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)) / f"out{suffix}"
     try:
-        yield tmp
-        apply_umask(tmp)
-        if dest.is_dir() and tmp.is_dir():
-            _swap_directory(tmp, dest)
-        else:
-            os.replace(tmp, dest)
+        with disk_full_errors(dest):  # out of space: DiskFullError naming dest; the staging is removed below
+            yield tmp
+            apply_umask(tmp)
+            if dest.is_dir() and tmp.is_dir():
+                _swap_directory(tmp, dest)
+            else:
+                os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp.parent, ignore_errors=True)
 
@@ -143,3 +155,53 @@ def save_resolved_config(cfg: Any, output_dir: str | Path, name: str = "config.y
     atomic_write_text(path, OmegaConf.to_yaml(cfg, resolve=True))
     log.info("resolved config saved to %s", path)
     return path
+
+
+def _nearest_existing(directory: Path) -> Path:
+    here = directory.absolute()
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    return here
+
+
+def check_writable(directory: str | os.PathLike, option: str = "output_dir") -> None:
+    """Raise ``OutputNotWritableError`` unless a file can be created in ``directory`` (or, when it does not
+    exist yet, in its nearest existing parent, where it would be created): a probe file is created and
+    deleted. ``option`` is the setting that names another directory. Fault point ``writable``."""
+    from fastdecode.faults import fault_point
+
+    target = Path(directory)
+    where = _nearest_existing(target)
+    try:
+        if not where.is_dir():
+            raise NotADirectoryError(f"{where} is not a directory")
+        with tempfile.NamedTemporaryFile(prefix=".fastdecode-probe-", dir=where):
+            fault_point("writable")
+    except OSError as err:
+        inside = "" if where == target.absolute() else f" (it would be created in {where})"
+        reason = err.strerror or str(err)
+        raise OutputNotWritableError(
+            f"{option}={directory} is not writable{inside}: {reason}. Choose a writable directory with "
+            f"{option}=PATH."
+        ) from None
+
+
+def check_free_space(directory: str | os.PathLike, needed: int, what: str, lower: str) -> None:
+    """Raise ``DiskSpaceError`` when ``needed`` bytes (``what``: the estimate, said in the message) exceed the
+    free space of ``directory``'s disk; ``lower``: the options that lower the need. Unknown free space
+    (no ``statvfs``) passes."""
+    free = free_bytes(directory)
+    if free is None or needed <= free:
+        log.info(
+            "disk: %s needs about %s, %s free in %s",
+            what,
+            human_bytes(needed),
+            human_bytes(free or 0),
+            directory,
+        )
+        return
+    raise DiskSpaceError(
+        f"not enough disk space in {directory}: {what} needs about {human_bytes(needed)} ({needed} bytes), "
+        f"{human_bytes(free)} ({free} bytes) are free. Free space, choose another output directory, or "
+        f"lower {lower}."
+    )

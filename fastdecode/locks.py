@@ -16,10 +16,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from fastdecode.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
-class LockHeld(RuntimeError):
+class LockHeld(UserError, RuntimeError):
     """Another process holds a lock that this one may not wait for; the message names it."""
 
 

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from fastdecode.config import ConfigError
+from fastdecode.errors import disk_full_error, is_disk_full
+from fastdecode.faults import fault_point
 from fastdecode.io import atomic_write_json
 
 MANIFEST = "manifest.json"
@@ -84,12 +86,14 @@ class ShardWriter:
     Args:
         header: what the records depend on (model, tokenizer, settings); must equal the manifest's on resume.
         shard_records: records per shard (the commit unit: a kill loses at most the shard being built).
+        lower: the options that make the records smaller, named when the disk is full (``DiskFullError``:
+            the uncommitted shard is deleted, the manifest keeps the committed ones).
     """
 
-    def __init__(self, directory: str | Path, header: dict, shard_records: int) -> None:
+    def __init__(self, directory: str | Path, header: dict, shard_records: int, lower: str = "") -> None:
         if shard_records < 1:
             raise ConfigError(f"shard_records={shard_records}: must be >= 1.")
-        self.dir, self.shard_records = Path(directory), shard_records
+        self.dir, self.shard_records, self.lower = Path(directory), shard_records, lower
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / MANIFEST
         self.manifest = {"format": FORMAT, "version": VERSION, "header": header, "shards": []}
@@ -146,8 +150,6 @@ class ShardWriter:
         """Commit the buffered records as one shard (nothing to do when the buffer is empty)."""
         if not self.buffer:
             return
-        from safetensors.torch import save_file
-
         fields = list(self.buffer[0])
         tensors = {}
         for key in fields:
@@ -156,17 +158,34 @@ class ShardWriter:
             sizes = torch.tensor([0] + [p.shape[0] for p in parts], dtype=torch.long)
             tensors[key + OFFSETS] = sizes.cumsum(0)
         name = f"shard-{len(self.manifest['shards']):05d}.safetensors"
+        manifest = dict(self.manifest, shards=[*self.manifest["shards"], {}])
+        manifest["shards"][-1] = {"path": name, "records": len(self.buffer), "fields": fields}
+        manifest["records"] = self.manifest["records"] + len(self.buffer)
+        manifest["stats"] = _add_stats(self.manifest["stats"], self._pending_stats)
+        try:
+            self._commit(name, tensors, manifest)
+        except Exception as err:  # the shard is not committed: nothing of it stays (it holds space)
+            for path in (self.dir / f".{name}.tmp", self.dir / name):
+                path.unlink(missing_ok=True)
+            if is_disk_full(err):
+                raise disk_full_error(self.dir / name, lower=self.lower) from err
+            raise
+        self.manifest = manifest
+        self.buffer, self._pending_stats = [], {}
+
+    def _commit(self, name: str, tensors: dict[str, torch.Tensor], manifest: dict) -> None:
+        """Write shard ``name`` (temporary file, fsync, rename), then the manifest: the commit point.
+        Fault point ``shard@K`` (K: the shard's number) between the write and the rename."""
+        from safetensors.torch import save_file
+
         tmp = self.dir / f".{name}.tmp"
         save_file(tensors, str(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        fault_point("shard", len(manifest["shards"]) - 1)
         os.replace(tmp, self.dir / name)
         _fsync_dir(self.dir)
-        self.manifest["shards"].append({"path": name, "records": len(self.buffer), "fields": fields})
-        self.manifest["records"] += len(self.buffer)
-        self.manifest["stats"] = _add_stats(self.manifest["stats"], self._pending_stats)
-        atomic_write_json(self.path, self.manifest)  # the commit point
-        self.buffer, self._pending_stats = [], {}
+        atomic_write_json(self.path, manifest)
 
     def finish(self, **extra: Any) -> dict:
         """Commit what is buffered and mark the directory complete (``extra`` goes into the manifest)."""

@@ -14,6 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from fastdecode.config import CONFIG_DIR
+from fastdecode_cli.launch import check_command_line, one_line_errors
 
 BENCH_KEYS = ("bench_prompts", "warmup")  # the benchmark's own keys; the rest is a CollectJob
 
@@ -23,24 +24,25 @@ def run(cfg: Any) -> dict:
     from cllm_train.collect import CollectJob
     from cllm_train.throughput import collect_throughput
     from fastdecode.config import to_dataclass, to_plain
-    from fastdecode.io import atomic_write_json
+    from fastdecode.io import atomic_write_json, check_writable
 
     plain = to_plain(cfg)
     bench = {k: plain.pop(k) for k in BENCH_KEYS}
     job = to_dataclass(CollectJob, plain, "")
+    check_writable(job.output_dir)  # before the models load
     report = collect_throughput(job, **bench)
     atomic_write_json(Path(job.output_dir) / "collect_throughput.json", report)
     return report
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="collect_throughput", version_base="1.3")
+@one_line_errors
 def _main(cfg: DictConfig) -> None:
     print(OmegaConf.to_yaml(OmegaConf.create(run(cfg))))
 
 
+@one_line_errors
 def main() -> None:
-    from fastdecode_cli.launch import check_command_line
-
     check_command_line("collect_throughput")  # misspelt keys get our did-you-mean; --help lists its groups
     _main()
 

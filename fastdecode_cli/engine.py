@@ -13,6 +13,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR
+from fastdecode_cli.launch import check_command_line, one_line_errors
 
 
 def run(cfg: Any) -> dict:
@@ -22,10 +23,17 @@ def run(cfg: Any) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="engine", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+@one_line_errors
+def _main(cfg: DictConfig) -> None:
     from fastdecode.bench.engine import to_markdown
 
     print(to_markdown(run(cfg)))
+
+
+@one_line_errors
+def main() -> None:
+    check_command_line("engine")  # misspelt keys get our did-you-mean; a read-only output_dir is refused
+    _main()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR, ModelConfig, to_dataclass
 from fastdecode.data.config import DataConfig
+from fastdecode_cli.launch import check_command_line, one_line_errors
 
 
 @dataclasses.dataclass
@@ -41,12 +42,13 @@ def run(cfg: Any) -> dict:
     from fastdecode.data.chat import build_datasets
     from fastdecode.data.config import check_data_files
     from fastdecode.exit_report import exit_report, plot_reports
-    from fastdecode.io import atomic_write_json
+    from fastdecode.io import atomic_write_json, check_writable
     from fastdecode.loading import load_model
     from fastdecode.model import EarlyExitModel
 
     job = to_dataclass(ExitsJob, cfg, "")
     check_data_files(job.data)  # before any model loads
+    check_writable(job.output_dir)
     targets = report_targets(job)  # a model that contradicts the checkpoint fails here, before any report
     reports, held_out = {}, None
     for label, model_cfg in targets.items():
@@ -125,6 +127,7 @@ def adapter_report(model, tokenizer, job: ExitsJob, prompts: list[str]) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="exits", version_base="1.3")
+@one_line_errors
 def _main(cfg: DictConfig) -> None:
     reports = run(cfg)
     for label, report in reports.items():
@@ -132,9 +135,8 @@ def _main(cfg: DictConfig) -> None:
         print(label, {k: round(v, 3) for k, v in agreement.items()}, report["recommended"])
 
 
+@one_line_errors
 def main() -> None:
-    from fastdecode_cli.launch import check_command_line
-
     check_command_line("exits")  # misspelt keys get our did-you-mean; --help lists this config's groups
     _main()
 

@@ -1,6 +1,9 @@
-"""What the entry points do before Hydra parses the command line.
+"""What the entry points do around Hydra: report user errors in one line, and work before Hydra parses.
 
-Strip the multi-process launchers' arguments, and check the overrides the way Hydra will compose them, so a
+``one_line_errors`` wraps every console script's ``main`` and its Hydra task function: a
+``fastdecode.errors.UserError`` (``ConfigError`` and the other named errors) prints ``error: <message>`` on
+stderr (rank 0 of a multi-process launch; every rank exits 2), no traceback and no Hydra banner;
+``HYDRA_FULL_ERROR=1`` re-raises it for the full traceback. Other exceptions are bugs and keep theirs. Strip the multi-process launchers' arguments, and check the overrides the way Hydra will compose them, so a
 misspelt key or group option fails with our did-you-mean message (Hydra would suggest ``+key=`` to append
 it), and ``--help`` lists only the config groups the entry point composes (the configs folder is shared:
 Hydra's own help would also list, e.g., ``decoder`` under ``train``, which train does not accept).
@@ -8,10 +11,39 @@ Hydra's own help would also list, e.g., ``decoder`` under ``train``, which train
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+USER_ERROR_EXIT = 2  # the exit code of a user error (argparse's, for a bad command line, too)
+
+
+def one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` with its user errors (``fastdecode.errors.UserError``) printed as one line ``error: <msg>``
+    on stderr (rank 0) and exit code 2 (every rank). Inside ``@hydra.main`` (on the task function) too:
+    Hydra would otherwise print its banner and a traceback. ``HYDRA_FULL_ERROR=1``: raised as it is."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from fastdecode.errors import UserError
+
+        try:
+            return func(*args, **kwargs)
+        except UserError as err:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            from fastdecode.distributed import is_main_process
+
+            if is_main_process():
+                sys.stdout.flush()
+                print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(USER_ERROR_EXIT)
+
+    return wrapper
 
 
 def strip_launcher_args(argv: list[str] | None = None) -> list[str]:
@@ -183,9 +215,26 @@ def check_command_line(config_name: str, argv: list[str] | None = None) -> None:
         print_help(config_name, overrides)
         sys.exit(0)
     try:
-        _compose(config_name, overrides)
+        cfg = _compose(config_name, overrides)
     except Exception as err:
         ours = _override_error(config_name, overrides, err)
         if ours is not None:
             raise ours from None
-        # anything else: Hydra reports it in its own words when it composes
+        return  # anything else: Hydra reports it in its own words when it composes
+    if not args.cfg:
+        check_output_dir(cfg)
+
+
+def check_output_dir(cfg) -> None:
+    """Hydra creates ``output_dir`` (its run directory) and writes ``.hydra/`` into it before the task runs:
+    a read-only one is refused here with ``OutputNotWritableError`` instead of Hydra's raw OSError."""
+    from omegaconf import OmegaConf
+
+    from fastdecode.io import check_writable
+
+    try:
+        output_dir = OmegaConf.select(cfg, "output_dir")
+    except Exception:  # an interpolation that cannot resolve yet: the run itself will say why
+        return
+    if output_dir:
+        check_writable(output_dir)

@@ -27,7 +27,8 @@ from omegaconf import DictConfig
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, to_dataclass
 from fastdecode.data.chat import user_prompt_ids
 from fastdecode.data.config import DataConfig, check_data_files, check_trainable
-from fastdecode.io import atomic_write_text
+from fastdecode.io import atomic_write_text, check_writable
+from fastdecode_cli.launch import check_command_line, one_line_errors
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def run(cfg: Any) -> dict:
     check_trainable(job.data)  # prompts come from the training split: benchmarks are refused before loading
     check_data_files(job.data)
     out = Path(job.output)
+    check_writable(out.parent, option="output")  # before the model loads
     lines = _done(out)
     model, tokenizer = load_model(job.model)
     prompts = _prompts(job, tokenizer)
@@ -100,13 +102,13 @@ def run(cfg: Any) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="regenerate", version_base="1.3")
+@one_line_errors
 def _main(cfg: DictConfig) -> None:
     print(run(cfg))
 
 
+@one_line_errors
 def main() -> None:
-    from fastdecode_cli.launch import check_command_line
-
     check_command_line("regenerate")  # misspelt keys get our did-you-mean; --help lists this config's groups
     _main()
 

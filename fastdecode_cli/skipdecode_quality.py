@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR, ModelConfig, to_dataclass
 from fastdecode.data.config import DataConfig
+from fastdecode_cli.launch import check_command_line, one_line_errors
 
 
 @dataclasses.dataclass
@@ -42,7 +43,7 @@ def run(cfg: Any) -> dict:
     from fastdecode.checkpoint_info import checkpoint_model
     from fastdecode.data.chat import build_datasets
     from fastdecode.decoding import DecodeConfig
-    from fastdecode.io import atomic_write_json
+    from fastdecode.io import atomic_write_json, check_writable
     from fastdecode.loading import load_model
     from fastdecode.model import EarlyExitModel
     from fastdecode.skipdecode import SkipOptions, read_trained_policy, trained_options, trained_policy_file
@@ -58,6 +59,7 @@ def run(cfg: Any) -> dict:
             read_trained_policy(skip_file), skip, source=skip_file, override=override, keys="skip."
         )
     decode = DecodeConfig(max_new_tokens=job.max_new_tokens, skip=skip)
+    check_writable(job.output_dir)  # before the model loads
     model, tokenizer = load_model(model_cfg)
     decode = dataclasses.replace(decode, eos_token_id=tokenizer.eos_token_id)
     held_out = build_datasets(dataclasses.replace(job.data, max_samples=1), tokenizer)[1][: job.prompts]
@@ -74,14 +76,14 @@ def run(cfg: Any) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="skipdecode_quality", version_base="1.3")
+@one_line_errors
 def _main(cfg: DictConfig) -> None:
     report = run(cfg)
     print({k: v for k, v in report.items() if k != "options"})
 
 
+@one_line_errors
 def main() -> None:
-    from fastdecode_cli.launch import check_command_line
-
     check_command_line("skipdecode_quality")  # checkpoint= alone is the model; misspelt keys: did-you-mean
     _main()
 

@@ -14,6 +14,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR
+from fastdecode_cli.launch import check_command_line, one_line_errors
 
 
 def run(cfg: Any) -> dict:
@@ -24,15 +25,15 @@ def run(cfg: Any) -> dict:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="speed", version_base="1.3")
+@one_line_errors
 def _main(cfg: DictConfig) -> None:
     from fastdecode.bench.report import to_markdown
 
     print(to_markdown(run(cfg)))
 
 
+@one_line_errors
 def main() -> None:
-    from fastdecode_cli.launch import check_command_line
-
     check_command_line("speed")  # misspelt keys get our did-you-mean; --help lists this config's groups
     _main()
 

@@ -10,16 +10,18 @@ import hydra
 from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR
-from fastdecode_cli.launch import check_command_line, strip_launcher_args
+from fastdecode_cli.launch import check_command_line, one_line_errors, strip_launcher_args
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="train", version_base="1.3")
+@one_line_errors
 def _main(cfg: DictConfig) -> None:
     import fastdecode_recipes
 
     fastdecode_recipes.run(cfg)
 
 
+@one_line_errors
 def main() -> None:
     strip_launcher_args()  # the DeepSpeed launcher appends --local_rank=N, which Hydra would reject
     check_command_line("train")  # misspelt keys get our did-you-mean; --help lists train's groups only

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fastdecode_cli.launch import one_line_errors
+
 KINDS = "plain,layerskip,layerskip-fraction0.25,layerskip-3exits-distill"
 
 
@@ -53,6 +55,7 @@ def run(args: argparse.Namespace) -> dict:
     return compare(shape, times, memory)
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result = run(args)

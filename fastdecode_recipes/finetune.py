@@ -42,6 +42,7 @@ from fastdecode_recipes.common import (
     to_device,
     training_arguments,
 )
+from fastdecode_recipes.disk import check_training_disk
 from fastdecode_recipes.resume import resolve_resume
 from fastdecode_recipes.resume import train as train_or_finish
 
@@ -78,6 +79,9 @@ class Recipe:
     """
 
     trainer_class: type[Trainer] = Trainer
+    # the Trainer's checkpoints and the export hold the model (and its optimizer state): their size is
+    # checked against the free disk space before the weights load (``fastdecode_recipes/disk.py``)
+    checkpoints_the_model: bool = True
 
     def __init__(self, job: TrainJob) -> None:
         self.job = job
@@ -163,20 +167,20 @@ def describe(job: TrainJob) -> dict[str, Any]:
 def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
     """Run the sequence of the module docstring; every rank calls it. ``cfg``: the composed config, saved
     next to the outputs (None: not saved)."""
-    check_deepspeed_batch(job)
-    set_seed(job.seed)
-    recipe.prepare()
-    recipe.validate(model_config(job.model))
+    _before_loading(job, recipe)
     model, tokenizer = load_model(job.model)
     recipe.loaded(model, tokenizer)
     train, held_out = recipe.datasets(tokenizer)
     out = Path(job.output_dir)
     if cfg is not None:
         save_resolved_config(cfg, out)
-    before = recipe.before_report(model, tokenizer, held_out) if is_main_process() else None
     args = training_arguments(job, prediction_loss_only=True, **recipe.training_args())
+    eval_set = recipe.eval_dataset(held_out)
+    if is_main_process():
+        print(plan_text(recipe, args, len(train), eval_set), flush=True)  # what follows, before it starts
+    before = recipe.before_report(model, tokenizer, held_out) if is_main_process() else None
     model = apply_peft(model, job.peft, args.gradient_checkpointing)
-    eval_set, collator = recipe.eval_dataset(held_out), recipe.collator(tokenizer, model)
+    collator = recipe.collator(tokenizer, model)
     trainer = recipe.trainer_class(
         model=recipe.module(model, args),
         args=args,
@@ -217,6 +221,51 @@ def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
         atomic_write_json(out / "summary.json", run.summary)
         log.info("%s: checkpoint %s, metrics %s", job.recipe["name"], out / "final", metrics)
     return run
+
+
+def optimizer_steps(args: TrainingArguments, examples: int) -> tuple[int, str]:
+    """``(steps, how)``: the optimizer steps the Trainer will take (``max_steps``, else epochs x batches)."""
+    import math
+
+    if args.max_steps > 0:
+        return args.max_steps, f"trainer.max_steps={args.max_steps}"
+    batches = math.ceil(examples / (args.per_device_train_batch_size * args.world_size))
+    per_epoch = max(batches // args.gradient_accumulation_steps, 1)
+    epochs = args.num_train_epochs
+    return math.ceil(epochs * per_epoch), f"{epochs:g} epochs x {per_epoch} steps of {examples} examples"
+
+
+def plan_text(recipe: Recipe, args: TrainingArguments, examples: int, eval_set: Any) -> str:
+    """The short block a run prints before its work: the phases, the steps, the evaluation and reports."""
+    steps, how = optimizer_steps(args, examples)
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    saves = {"no": "no checkpoints", "steps": f"a checkpoint every {args.save_steps:g} steps and at the end"}
+    keep = f" (keeping {args.save_total_limit})" if args.save_total_limit and strategy != "no" else ""
+    own = [
+        getattr(type(recipe), name) is not getattr(Recipe, name) for name in ("before_report", "after_report")
+    ]
+    lines = [
+        f"plan of {recipe.job.recipe['name']} on {recipe.job.model.name} into {args.output_dir}:",
+        "  - report on the untrained model (the recipe's before-training report)" if own[0] else "",
+        f"  - train: {steps} optimizer steps ({how}), {batch} sequences per step; "
+        f"{saves.get(strategy, f'checkpoints: save_strategy={strategy}')}{keep}",
+        f"  - evaluate on {len(eval_set)} held-out examples" if eval_set else "  - no evaluation set",
+        f"  - export {args.output_dir}/final and check it against the trained model",
+        "  - report on the trained model (the recipe's after-training report)" if own[1] else "",
+    ]
+    return "\n".join(line for line in lines if line)
+
+
+def _before_loading(job: TrainJob, recipe: Recipe) -> None:
+    """Every check that needs no weights: DeepSpeed batch, the recipe's own, disk room (``disk.py``)."""
+    check_deepspeed_batch(job)
+    set_seed(job.seed)
+    recipe.prepare()
+    config = model_config(job.model)
+    recipe.validate(config)
+    if recipe.checkpoints_the_model:
+        check_training_disk(job, config)
 
 
 def _check_export(recipe: Recipe, run: FinetuneRun, probe: dict, live_loss: float) -> dict:

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 
 from fastdecode.data.config import check_data_files, check_trainable
+from fastdecode.io import check_writable
 from fastdecode_recipes.common import TrainJob
 from fastdecode_recipes.resume import finished_at, resolve_resume
 
@@ -22,6 +23,7 @@ def preflight(job: TrainJob) -> TrainJob:
     a complete checkpoint's path (or None), so the recipe's resume is decided here, once.
     """
     check_data_files(job.data)
+    check_writable(job.output_dir)  # checkpoints, final/, summary.json: refused now, not after training
     if job.recipe.get("name") != "cllm":  # CLLM trains on trajectories; its data group only feeds a report
         check_trainable(job.data)
     resume = resolve_resume(job.resume_from_checkpoint, job.output_dir)

@@ -34,6 +34,7 @@ from fastdecode.checkpoint import (
 )
 from fastdecode.config import ConfigError
 from fastdecode.distributed import is_main_process, world_size
+from fastdecode.errors import disk_full_error, is_disk_full
 from fastdecode.faults import ENV as FAULT_ENV
 from fastdecode.faults import fault_point
 from fastdecode.io import apply_umask
@@ -216,7 +217,12 @@ def train(trainer: Any, resume: str | None):
     _arm_faults(trainer)
     try:
         return trainer.train(resume_from_checkpoint=resume)
-    except _RunFinished as done:
+    except Exception as err:
+        if is_disk_full(err):
+            raise _checkpoint_disk_full(trainer) from err
+        if not isinstance(err, _RunFinished):
+            raise
+        done = err
         log.info(
             "resume: %s is the end of the run (global_step %d, max_steps %d); nothing is trained again, "
             "only the steps after training (evaluation, export) are redone",
@@ -224,6 +230,22 @@ def train(trainer: Any, resume: str | None):
             done.step,
             done.max_steps,
         )
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        mean = sum(losses) / len(losses) if losses else math.nan
-        return TrainOutput(done.step, mean, {"train_steps_this_run": 0, "train_loss_logged_mean": mean})
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    mean = sum(losses) / len(losses) if losses else math.nan
+    return TrainOutput(done.step, mean, {"train_steps_this_run": 0, "train_loss_logged_mean": mean})
+
+
+def _checkpoint_disk_full(trainer: Any) -> Exception:
+    """The disk filled up during training (a checkpoint, as a rule): the checkpoint being written is deleted
+    when it is incomplete (it cannot be resumed from, and it holds the space a rerun needs); the error names
+    it. The complete checkpoints before it are untouched: ``resume_from_checkpoint=auto`` continues there."""
+    import shutil
+
+    folder = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+    note = ""
+    if folder.is_dir() and checkpoint_problem(folder) is not None:
+        if is_main_process():
+            shutil.rmtree(folder, ignore_errors=True)
+        note = f" (the incomplete {folder.name} was deleted)"
+    where = folder if note or folder.is_dir() else Path(trainer.args.output_dir)
+    return disk_full_error(where, lower="trainer.save_total_limit", note=note)

@@ -53,9 +53,9 @@ class Rule:
 
 RULES = [
     Rule(
-        "`config`, `distributed`, `io`, `checkpoint`, `faults` and `locks` (the base) import nothing from fastdecode but each other.",
-        areas=("config", "distributed", "io", "checkpoint", "faults", "locks"),
-        only=("config", "distributed", "io", "checkpoint", "faults", "locks"),
+        "`errors`, `config`, `distributed`, `io`, `checkpoint`, `faults` and `locks` (the base) import nothing from fastdecode but each other.",
+        areas=("errors", "config", "distributed", "io", "checkpoint", "faults", "locks"),
+        only=("errors", "config", "distributed", "io", "checkpoint", "faults", "locks"),
     ),
     Rule(
         "`cache` imports only `config`; `fast_linear` nothing from fastdecode; `engine` only `config` and `fast_linear`; `model` only `config`, `cache`, `engine` and `fast_linear` (the engine).",

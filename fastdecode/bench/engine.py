@@ -336,11 +336,12 @@ def _decode_flags(path: str) -> dict:
 def run(cfg: Any) -> dict:
     """Run the benchmark of ``configs/engine.yaml``; write ``engine.json`` and ``engine.md``; return it."""
     from fastdecode.bench.report import cpu_name, git_state
-    from fastdecode.io import atomic_write_json, atomic_write_text
+    from fastdecode.io import atomic_write_json, atomic_write_text, check_writable
     from fastdecode.loading import load_model
     from fastdecode.model import EarlyExitModel
 
     job = to_dataclass(EngineJob, cfg, "")
+    check_writable(job.output_dir)  # before the model loads
     model, _ = load_model(job.model)
     m = EarlyExitModel(model)
     if not 1 <= job.exit_layer < m.num_layers:

@@ -156,9 +156,11 @@ def run(cfg: Any) -> dict:
     """The whole benchmark for one model and prompt set; returns the result written to ``output_dir``."""
     from fastdecode.bench.measure import measure
     from fastdecode.bench.report import environment, write_report
+    from fastdecode.io import check_writable
 
     job, methods, exit_source = plan(cfg)
     records = read_prompt_records(job)  # a missing data file fails before any model loads
+    check_writable(job.output_dir)  # a read-only output_dir fails here too, not after the benchmark
     m, tokenizer, draft, resolved = load_and_resolve(job, methods)
     methods = resolved.methods
     runners = build_runners(job, methods, m, tokenizer, draft)

@@ -1,0 +1,126 @@
+"""A user error reaches a command-line user as one line: ``error: <message>`` on stderr, exit code 2.
+
+Every console script of ``pyproject.toml`` is run in a subprocess with a value it refuses before any model
+loads; ``HYDRA_FULL_ERROR=1`` shows the traceback instead; other exceptions keep theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastdecode.config import ConfigError
+from fastdecode.errors import DiskFullError, UserError
+from fastdecode.locks import LockHeld
+from fastdecode_cli.launch import USER_ERROR_EXIT, one_line_errors
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# console script -> (its module, arguments it refuses before any model loads, a word of the message)
+BAD_INPUT = {
+    "fastdecode-train": ("train", ["trainer.max_steps=abc", "model=tiny-llama"], "trainer.max_steps"),
+    "fastdecode-collect": ("collect", ["batch_size=0", "model=tiny-llama"], "batch_size=0"),
+    "fastdecode-speed": ("speed", ["n_prompts=abc", "model=tiny-llama"], "n_prompts"),
+    "fastdecode-exits": ("exits", ["prompts=abc", "model=tiny-llama"], "prompts"),
+    "fastdecode-engine": ("engine", ["threads=abc"], "threads"),
+    "fastdecode-regenerate": ("regenerate", ["num_prompts=0", "model=tiny-llama"], "num_prompts"),
+    "fastdecode-skipdecode-quality": ("skipdecode_quality", ["prompts=abc", "model=tiny-llama"], "prompts"),
+    "fastdecode-collect-throughput": (
+        "collect_throughput",
+        ["batch_size=0", "model=tiny-llama"],
+        "batch_size",
+    ),
+    "fastdecode-train-cost": ("train_cost", ["--model", "nosuch"], "Unknown model 'nosuch'"),
+}
+
+
+def _run(module: str, args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RANK", "WORLD_SIZE")}
+    environ |= {"PYTHONPATH": str(ROOT)} | env
+    cmd = [sys.executable, "-m", f"fastdecode_cli.{module}", *args]
+    return subprocess.run(cmd, cwd=cwd, env=environ, capture_output=True, text=True, timeout=300)
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def test_every_console_script_is_covered():
+    section = (ROOT / "pyproject.toml").read_text().split("[project.scripts]")[1].split("\n[")[0]
+    scripts = dict(re.findall(r'^([\w-]+) = "([\w.:]+)"$', section, re.M))  # no tomllib on Python 3.10
+    assert set(scripts) == set(BAD_INPUT)
+    for name, target in scripts.items():
+        assert target == f"fastdecode_cli.{BAD_INPUT[name][0]}:main"
+
+
+@pytest.mark.parametrize("script", sorted(BAD_INPUT))
+def test_a_config_error_is_one_line_and_exit_code_2(script, tmp_path):
+    module, args, word = BAD_INPUT[script]
+    out = _run(module, args, tmp_path)
+    lines = _lines(out.stderr)
+    assert out.returncode == USER_ERROR_EXIT, out.stderr
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("error: ") and word in lines[0]
+    assert "Traceback" not in out.stderr + out.stdout
+    assert "Error executing job" not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize(
+    "args", [["trainer.max_steps=abc"], ["model=smollm2-135"]], ids=["in-the-task", "before-hydra"]
+)
+def test_hydra_full_error_shows_the_traceback(args, tmp_path):
+    out = _run("train", args, tmp_path, HYDRA_FULL_ERROR="1")
+    assert out.returncode != 0
+    assert "Traceback" in out.stderr and "ConfigError" in out.stderr
+    assert not any(line.startswith("error: ") for line in out.stderr.splitlines())
+
+
+def test_only_rank_0_prints_but_every_rank_exits_2(tmp_path):
+    rank1 = _run("train", ["model=smollm2-135"], tmp_path, RANK="1", WORLD_SIZE="2")
+    rank0 = _run("train", ["model=smollm2-135"], tmp_path, RANK="0", WORLD_SIZE="2")
+    assert rank1.returncode == rank0.returncode == USER_ERROR_EXIT
+    assert _lines(rank1.stderr) == []
+    assert _lines(rank0.stderr)[0].startswith(
+        "error: Unknown model 'smollm2-135'. Did you mean 'smollm2-135m'?"
+    )
+
+
+@pytest.mark.parametrize(
+    "err", [ConfigError("bad key"), LockHeld("held by 12"), DiskFullError("disk full", "/x")], ids=type
+)
+def test_every_named_error_is_a_user_error_printed_in_one_line(err, capsys, monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+
+    @one_line_errors
+    def fails():
+        raise err
+
+    assert isinstance(err, UserError)
+    with pytest.raises(SystemExit) as exited:
+        fails()
+    assert exited.value.code == USER_ERROR_EXIT
+    assert capsys.readouterr().err == f"error: {err}\n"
+
+
+def test_other_exceptions_and_exits_pass_through(monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+    @one_line_errors
+    def bug():
+        raise KeyError("a bug keeps its traceback")
+
+    @one_line_errors
+    def leaves():
+        raise SystemExit(0)
+
+    with pytest.raises(KeyError):
+        bug()
+    with pytest.raises(SystemExit) as exited:
+        leaves()
+    assert exited.value.code == 0
