@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fastdecode.config import ConfigError
-from fastdecode.model import FAMILIES, EarlyExitModel
+from fastdecode.families import FAMILIES
+from fastdecode.model import EarlyExitModel
 
 TOL = 1e-5
 
