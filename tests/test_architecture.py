@@ -374,6 +374,31 @@ def test_public_functions_take_at_most_five_positional_parameters():
     assert not wide, "make the parameters past the fifth keyword-only (add *):\n" + "\n".join(wide)
 
 
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60  # from the ``def`` line to the last line of the body (its docstring counts)
+
+
+def test_no_module_over_400_lines_nor_function_over_60():
+    """Library packages, entry points and the root scripts: a module that grows past 400 lines splits into
+    cohesive modules, a function past 60 lines into named helpers."""
+    roots = [*LIBRARY, *sorted(ENTRY - {"train", "collect_jacobi"})]
+    paths = [p for root in roots for p in _sources(root)] + sorted(ROOT.glob("*.py"))
+    big = []
+    for path in paths:
+        text = path.read_text()
+        where = path.relative_to(ROOT).as_posix()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            big.append(f"{where}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    big.append(f"{where}:{node.lineno} {node.name}: {length} lines")
+    assert not big, f"modules > {MAX_MODULE_LINES} or functions > {MAX_FUNCTION_LINES} lines:\n" + "\n".join(
+        big
+    )
+
+
 def test_the_rules_graph_sees_real_imports():
     """Guards the checker itself: known edges are found (a parser bug would pass every rule vacuously)."""
     assert "fastdecode.cache" in _graph()["fastdecode.model"]
