@@ -1,6 +1,6 @@
 """The frozen model's work, paid once: layer-E features and the final layer's targets, cached to disk.
 
-One record per training sequence (``fastdecode.tensor_shards``: sharded safetensors, committed atomically,
+One record per training sequence (computed by ``feature_records.py``; ``fastdecode.tensor_shards``: sharded safetensors, committed atomically,
 resumable after kill -9 with nothing lost or duplicated)::
 
     index      int64 [1]        position of the sequence in the training split
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from adapter_train.config import FeatureConfig
-from fastdecode.data.chat import IGNORE_INDEX
+from adapter_train.feature_records import batch_features, generation_features, scored_positions
 from fastdecode.exit_adapter import base_identity, check_base
 from fastdecode.io import check_free_space
 from fastdecode.model import EarlyExitModel
@@ -105,136 +105,6 @@ def batch_order(examples: list[dict], batch_size: int) -> list[int]:
     return order
 
 
-def scored_positions(labels: list[int]) -> list[int]:
-    """Positions t whose next token (``labels[t + 1]``, HF's aligned labels) is labelled."""
-    return [t for t in range(len(labels) - 1) if labels[t + 1] != IGNORE_INDEX]
-
-
-@torch.no_grad()
-def batch_features(
-    m: EarlyExitModel, examples: list[dict], exits: list[int], top_k: int, dtype: torch.dtype
-) -> list[dict[str, torch.Tensor]]:
-    """Records (module docstring) of ``examples`` from one right-padded, causal forward of the frozen model."""
-    lengths = [len(ex["input_ids"]) for ex in examples]
-    width, device = max(lengths), m.device
-    ids = torch.zeros(len(examples), width, dtype=torch.long)
-    for row, ex in enumerate(examples):
-        ids[row, : lengths[row]] = torch.tensor(ex["input_ids"])
-    ids = ids.to(device)
-    positions = torch.arange(width, device=device).expand(len(examples), -1)
-    # Right padding + causal attention: a real position never sees a pad, so no padding mask is needed.
-    captured, final = _segments(m, m.embed(ids, positions), exits, positions)
-    records = []
-    for row, ex in enumerate(examples):
-        n = lengths[row]
-        scored = torch.tensor(scored_positions(ex["labels"]), dtype=torch.long, device=device)
-        head_in = final[row, scored]  # [N, H']
-        argmax, top_ids, top_logp = _targets(m.lm_head(head_in), top_k)
-        labels = torch.tensor(ex["labels"], dtype=torch.long, device=device)
-        record = {
-            "input_ids": ids[row, :n].int(),
-            "scored": scored.int(),
-            "targets": labels[scored + 1].int(),
-            "teacher": argmax.int(),
-            "topk_ids": top_ids.int(),
-            "topk_logp": top_logp,
-            "final": head_in.to(dtype),
-        }
-        for exit_layer, h in captured.items():
-            record[f"h{exit_layer}"] = h[row, :n].to(dtype)
-        records.append(record)
-    return records
-
-
-def _targets(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(argmax, top-k ids, top-k log-probabilities) of ``[..., V]`` logits (full-vocabulary softmax)."""
-    logp = torch.log_softmax(logits.float(), -1)
-    top = logp.topk(min(top_k, logp.shape[-1]), -1)
-    return logp.argmax(-1), top.indices, top.values
-
-
-def _segments(m: EarlyExitModel, hidden, exits, positions, cache=None) -> tuple[dict, torch.Tensor]:
-    """Run every layer, keeping the residual stream at each exit: ``({E: [B, T, H]}, final head input)``."""
-    done, captured = 0, {}
-    for exit_layer in sorted(exits):
-        hidden = m.run_layers(hidden, done, exit_layer, positions, cache=cache)
-        captured[exit_layer], done = hidden, exit_layer
-    return captured, m.exit_hidden(m.run_layers(hidden, done, m.num_layers, positions, cache=cache))
-
-
-@torch.no_grad()
-def generation_features(
-    m: EarlyExitModel,
-    prompts: list[list[int]],
-    exits: list[int],
-    top_k: int,
-    dtype: torch.dtype,
-    *,
-    max_new_tokens: int,
-    eos: set[int],
-) -> list[dict[str, torch.Tensor]]:
-    """The model's greedy answers to ``prompts``, as records (module docstring) captured while decoding
-    (batched, KV-cached, left-padded): the sequence is the prompt and every answer token fed back, the scored
-    positions predict the answer tokens (the first from the prompt's last position), the targets are the
-    answer itself (greedy: the teacher's argmax)."""
-    batch, width, device = len(prompts), max(len(p) for p in prompts), m.device
-    ids = torch.zeros(batch, width, dtype=torch.long)
-    valid = torch.zeros(batch, width, dtype=torch.bool)
-    positions = torch.zeros(batch, width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        valid[row, width - len(prompt) :] = True
-        positions[row, width - len(prompt) :] = torch.arange(len(prompt))
-    ids, valid, positions = ids.to(device), valid.to(device), positions.to(device)
-    cache = m.new_cache(batch, width + max_new_tokens)
-    cache.reserve(valid, 0, positions)
-    captured, final = _segments(m, m.embed(ids, positions), exits, positions, cache)
-    steps = [({e: h[:, -1:] for e, h in captured.items()}, final[:, -1])]  # step 0 = the prefill's last
-    prompt_feats = {
-        e: [h[row, width - len(p) :] for row, p in enumerate(prompts)] for e, h in captured.items()
-    }
-    answers: list[list[int]] = [[] for _ in prompts]
-    done = [False] * batch
-    next_pos = torch.tensor([len(p) for p in prompts], device=device)
-    logits = m.lm_head(final[:, -1])
-    per_step = []
-    for _ in range(max_new_tokens):
-        argmax, top_ids, top_logp = _targets(logits, top_k)
-        per_step.append((argmax, top_ids, top_logp))
-        for row, token in enumerate(argmax.tolist()):
-            if not done[row]:
-                answers[row].append(token)
-                done[row] = token in eos or len(answers[row]) >= max_new_tokens
-        if all(done):
-            break
-        active = torch.tensor([not d for d in done], device=device)
-        pos = next_pos[:, None]
-        cache.reserve(active[:, None], cache.lengths[0], pos)
-        captured, final = _segments(m, m.embed(argmax[:, None], pos), exits, pos, cache)
-        steps.append((captured, final[:, -1]))
-        logits = m.lm_head(final[:, -1])
-        next_pos = next_pos + active.long()
-    records = []
-    for row, prompt in enumerate(prompts):
-        n, p = len(answers[row]), len(prompt)
-        record = {
-            "input_ids": torch.tensor(prompt + answers[row][:-1], dtype=torch.int32),
-            "scored": torch.arange(p - 1, p + n - 1, dtype=torch.int32),
-            "targets": torch.tensor(answers[row], dtype=torch.int32),
-            "teacher": torch.stack([per_step[j][0][row] for j in range(n)]).int(),
-            "topk_ids": torch.stack([per_step[j][1][row] for j in range(n)]).int(),
-            "topk_logp": torch.stack([per_step[j][2][row] for j in range(n)]),
-            "final": torch.stack([steps[j][1][row] for j in range(n)]).to(dtype),
-        }
-        for e in exits:  # prompt positions, then the answer tokens fed back (all but the last)
-            fed = [steps[j][0][e][row, 0] for j in range(1, n)]
-            record[f"h{e}"] = torch.cat([prompt_feats[e][row], *([torch.stack(fed)] if fed else [])]).to(
-                dtype
-            )
-        records.append(record)
-    return records
-
-
 def cache_bytes(examples: list[dict], fcfg: FeatureConfig, exits: int, hidden: int) -> int:
     """Bytes the cache of ``examples`` will take (``FeatureConfig.record_bytes``); with ``source=generate``
     a lower bound: the answers' lengths are unknown before they are generated, each counts one token."""
@@ -243,6 +113,20 @@ def cache_bytes(examples: list[dict], fcfg: FeatureConfig, exits: int, hidden: i
     else:
         sizes = [(len(ex["input_ids"]), len(scored_positions(ex["labels"]))) for ex in examples]
     return sum(fcfg.record_bytes(t, n, exits=exits, hidden=hidden) for t, n in sizes)
+
+
+def _open_writer(
+    m: EarlyExitModel, directory: Path, header: dict, fcfg: FeatureConfig, ordered: list[dict]
+) -> ShardWriter:
+    """The shard writer, resumed where the cache stopped, after checking the disk has room for the rest."""
+    lower = "recipe.features.max_records, recipe.features.exits or recipe.features.dtype=bfloat16"
+    writer = ShardWriter(directory, header, fcfg.shard_records, lower=lower)
+    todo = ordered[writer.records :]
+    needed = cache_bytes(todo, fcfg, len(header["exits"]), m.config.hidden_size)
+    check_free_space(directory, needed, "the feature cache", lower)
+    if writer.complete:
+        writer.reopen()
+    return writer
 
 
 def build_features(
@@ -273,68 +157,70 @@ def build_features(
         return ShardReader(directory, limit=len(order))
     if found is not None:
         header["exits"] = cached_exits = found["header"]["exits"]
-    lower = "recipe.features.max_records, recipe.features.exits or recipe.features.dtype=bfloat16"
-    writer = ShardWriter(directory, header, fcfg.shard_records, lower=lower)
-    todo = [examples[i] for i in order[writer.records :]]
-    check_free_space(
-        directory,
-        cache_bytes(todo, fcfg, len(cached_exits), m.config.hidden_size),
-        "the feature cache",
-        lower,
-    )
-    if writer.complete:
-        writer.reopen()
-    dtype = getattr(torch, fcfg.dtype)
-    start_records = writer.records
+    writer = _open_writer(m, directory, header, fcfg, [examples[i] for i in order])
     started = time.perf_counter()
     was_training = m.hf.training
     m.hf.eval()
     try:
-        for b in range(start_records, len(order), fcfg.batch_size):
+        for b in range(writer.records, len(order), fcfg.batch_size):
             chosen = order[b : b + fcfg.batch_size]
             tick = time.perf_counter()
-            batch = [examples[i] for i in chosen]
-            if fcfg.source == "generate":
-                prompts = [ex["input_ids"] for ex in batch]
-                records = generation_features(
-                    m,
-                    prompts,
-                    cached_exits,
-                    fcfg.top_k,
-                    dtype,
-                    max_new_tokens=fcfg.max_new_tokens,
-                    eos=eos or set(),
-                )
-            else:
-                records = batch_features(m, batch, cached_exits, fcfg.top_k, dtype)
-            seconds = time.perf_counter() - tick
-            for i, (index, record) in enumerate(zip(chosen, records, strict=True)):
-                stats = {"positions": len(record["input_ids"]), "scored": len(record["scored"])}
-                if i == 0:
-                    stats["seconds"] = seconds
-                committed = writer.add(record | {"index": torch.tensor([index])}, stats)
-                if committed and on_commit is not None:
-                    on_commit(writer.records)
+            records = _feature_records(m, [examples[i] for i in chosen], cached_exits, fcfg, eos=eos)
+            _write_records(writer, chosen, records, seconds=time.perf_counter() - tick, on_commit=on_commit)
             if (b // fcfg.batch_size) % 8 == 0:
                 log.info("features: %d / %d sequences", b + len(chosen), len(order))
     finally:
         m.hf.train(was_training)
     writer.finish()
-    stats = writer.manifest["stats"]
-    seconds = max(stats.get("seconds", 0.0), 1e-9)
-    manifest = writer.finish(
-        summary={
-            "sequences": len(order),
-            "positions": stats.get("positions", 0),
-            "scored_positions": stats.get("scored", 0),
-            "seconds": stats.get("seconds", 0.0),
-            "positions_per_s": stats.get("positions", 0) / seconds,
-            "scored_positions_per_s": stats.get("scored", 0) / seconds,
-            "this_run_seconds": time.perf_counter() - started,
-        }
-    )
+    manifest = writer.finish(summary=_summary(writer.manifest["stats"], len(order), started))
     log.info("features: %s", manifest["summary"])
     return ShardReader(directory, limit=len(order))
+
+
+def _feature_records(
+    m: EarlyExitModel, batch: list[dict], exits: list[int], fcfg: FeatureConfig, *, eos: set[int] | None
+) -> list[dict[str, torch.Tensor]]:
+    """The records of one batch of examples: teacher-forced, or generated from their prompts."""
+    dtype = getattr(torch, fcfg.dtype)
+    if fcfg.source != "generate":
+        return batch_features(m, batch, exits, fcfg.top_k, dtype)
+    prompts = [ex["input_ids"] for ex in batch]
+    return generation_features(
+        m, prompts, exits, fcfg.top_k, dtype, max_new_tokens=fcfg.max_new_tokens, eos=eos or set()
+    )
+
+
+def _write_records(
+    writer: ShardWriter,
+    chosen: list[int],
+    records: list[dict[str, torch.Tensor]],
+    *,
+    seconds: float,
+    on_commit: Callable[[int], None] | None,
+) -> None:
+    """Add one batch's records (with their example index) and its counts; the batch's ``seconds`` count
+    once."""
+    for i, (index, record) in enumerate(zip(chosen, records, strict=True)):
+        stats = {"positions": len(record["input_ids"]), "scored": len(record["scored"])}
+        if i == 0:
+            stats["seconds"] = seconds
+        committed = writer.add(record | {"index": torch.tensor([index])}, stats)
+        if committed and on_commit is not None:
+            on_commit(writer.records)
+
+
+def _summary(stats: dict, sequences: int, started: float) -> dict:
+    """The cache's summary: counts, and the frozen model's positions per second."""
+    seconds = max(stats.get("seconds", 0.0), 1e-9)
+    return {
+        "sequences": sequences,
+        "positions": stats.get("positions", 0),
+        "scored_positions": stats.get("scored", 0),
+        "seconds": stats.get("seconds", 0.0),
+        "positions_per_s": stats.get("positions", 0) / seconds,
+        "scored_positions_per_s": stats.get("scored", 0) / seconds,
+        "this_run_seconds": time.perf_counter() - started,
+    }
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
+        capacity = self.rounded_capacity(capacity)
         shape = (batch_size, num_kv_heads, capacity, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -58,6 +59,15 @@ class KVCache:
         self.key_pos = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)
         # Counts of tokens written per layer; tests use them to prove each token passes each layer once.
         self.writes = [0] * num_layers
+        self._allocated()
+
+    @staticmethod
+    def rounded_capacity(capacity: int) -> int:
+        """The capacity allocated for ``capacity`` slots (the static mode rounds it up to a bucket)."""
+        return capacity
+
+    def _allocated(self) -> None:
+        """Called once the buffers exist (the static mode marks their addresses static)."""
 
     @property
     def capacity(self) -> int:
@@ -148,20 +158,13 @@ class StaticKVCache(KVCache):
     """
 
     static = True
+    slots: torch.Tensor | None = None  # [T] long on the device: where ``update`` writes
 
-    def __init__(
-        self,
-        num_layers: int,
-        batch_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        capacity: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        capacity = -(-capacity // CAPACITY_BUCKET) * CAPACITY_BUCKET
-        super().__init__(num_layers, batch_size, num_kv_heads, head_dim, capacity, dtype, device)
-        self.slots: torch.Tensor | None = None  # [T] long on the device: where ``update`` writes
+    @staticmethod
+    def rounded_capacity(capacity: int) -> int:
+        return -(-capacity // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
+    def _allocated(self) -> None:
         self._mark_static()
 
     def _mark_static(self) -> None:
@@ -232,3 +235,54 @@ def attention_mask(
         allowed = allowed & (s > q - window)[None, None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def layer_mask(
+    hidden: torch.Tensor,
+    cache: KVCache | None,
+    past: int,
+    window: int | None,
+    position_ids: torch.Tensor,
+    *,
+    sdpa: bool,
+    engine_lean: bool | None = None,
+) -> torch.Tensor | None:
+    """The additive mask ``[B, 1, T, S]`` a layer attends with, for the queries of ``hidden [B, T, H]`` at
+    positions ``position_ids [B, T]``: at slots ``past ..`` of ``cache`` (from its validity), or without a
+    cache causally within the T positions. None where attention needs no materialised mask.
+
+    ``sdpa``: the HF layers run SDPA, which applies causality itself (``is_causal``) when given no mask;
+    ``engine_lean``: whether the running engine's layers are lean (None: no engine runs, and a cache always
+    gets a mask).
+    """
+    num_queries = hidden.shape[1]
+    if cache is None:
+        if num_queries == 1 or (window is None and sdpa):
+            return None
+        valid = torch.ones(hidden.shape[0], num_queries, dtype=torch.bool, device=hidden.device)
+        return attention_mask(valid, 0, num_queries, hidden.dtype, window)
+    if engine_lean is not None and _maskless(cache, past, num_queries, window, causal=engine_lean or sdpa):
+        return None
+    span = cache.attended(past + num_queries)
+    key_pos = cache.key_pos[:, :span] if window is not None else None
+    return attention_mask(
+        cache.key_valid[:, :span],
+        past,
+        num_queries,
+        hidden.dtype,
+        window,
+        key_pos=key_pos,
+        query_pos=position_ids,
+    )
+
+
+def _maskless(cache: KVCache, past: int, steps: int, window: int | None, *, causal: bool) -> bool:
+    """Whether the queries need no materialised mask: a dynamic cache on the CPU (where checking is free)
+    with every slot valid, no sliding window, and one query (full attention) or a causal block from slot
+    0 (``causal``: the layers apply causality themselves without a mask, SDPA's ``is_causal`` or the lean
+    layers; HF's eager attention does not)."""
+    if cache.static or window is not None or cache.key_valid.device.type != "cpu":
+        return False
+    if steps > 1 and (past != 0 or not causal):
+        return False
+    return bool(cache.key_valid[:, : past + steps].all())

@@ -169,7 +169,7 @@ class ModelConfig:
         directory in the fastdecode cache and loaded from there afterwards (offline machines);
       - ``random``: a tiny random-init model built from ``random_init`` (HF config kwargs), no download.
 
-    ``family`` (the model family, ``fastdecode.model.FAMILIES``) may be left out: it is then ``config.model_type`` of the weights (a
+    ``family`` (the model family, ``fastdecode.families.FAMILIES``) may be left out: it is then ``config.model_type`` of the weights (a
     bring-your-own hub id or local directory needs nothing else); when set, the weights must agree.
     """
 

@@ -205,7 +205,7 @@ class Engine:
 
     def stale(self) -> bool:
         """True when a parameter was modified in place since the build (e.g. by an optimizer step): packed
-        and fused copies no longer match it. One version read per parameter (~10 us for SmolLM2)."""
+        and fused copies no longer match it. One version read per parameter, no tensor data."""
         return [p._version for p in self._sources] != self._versions
 
     def subset_head(self, ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> FastLinear:

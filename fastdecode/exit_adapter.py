@@ -7,7 +7,7 @@ the shared final norm and LM head (optionally over a draft vocabulary). Verifica
 ``>= E`` run on the exit hidden states from *before* the adapter, so decoding is lossless and the model's
 outputs and perplexity are untouched by construction.
 
-Kinds (built by ``EarlyExitModel.adapter_block``, the one place that touches HF layer internals):
+Kinds (``KINDS``, built by ``EarlyExitModel.adapter_block`` in ``fastdecode/exit_blocks.py``, the model seam):
 
 - ``block``: one decoder layer of the model's family, initialised from a copy of the last block
   (``init=last``) or of layer ``E`` (``init=exit``, the first layer the drafter skips);
@@ -40,12 +40,12 @@ from torch import nn
 
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE, load_draft_vocab, save_draft_vocab
+from fastdecode.exit_blocks import KINDS
 from fastdecode.file_cache import FileCache
 from fastdecode.identity import tokenizer_fingerprint, weights_fingerprint
 from fastdecode.io import atomic_path, atomic_write_json
 from fastdecode.model import EarlyExitModel
 
-KINDS = ("block", "attention")
 INITS = ("last", "exit")
 FORMAT = "fastdecode-exit-adapter"
 VERSION = 1

@@ -2,9 +2,9 @@
 
 Why: decoding multiplies a few rows (M = batch x new tokens: 1 for a plain step, k+1 for a verification, 4-8
 for a batch) by every weight matrix. ``F.linear`` hands such small-M products to MKL's general GEMM, which at
-M = 2-17 runs far below both the machine's compute peak and its memory bandwidth (on the 2-core AVX2
-development machine a forward over 5 tokens costs 1.8x a 1-token forward though the weights are streamed
-once either way). Two CPU kernels in PyTorch take weights packed once, ahead of time:
+M = 2-17 runs far below both the machine's compute peak and its memory bandwidth: a forward over a few tokens
+costs well above a 1-token forward though the weights are streamed once either way (measured per machine by
+``eval/engine.py``; docs/BENCHMARKS.md, "Execution engine"). Two CPU kernels in PyTorch take weights packed once, ahead of time:
 
 - ``mkl``: ``torch.ops.mkl._mkl_linear`` with ``torch.ops.mkl._mkl_reorder_linear_weight(W, M)`` (MKL's
   packed SGEMM; the pack is valid for that M only, so it is built for M = 1);

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from fastdecode.checkpoint import CheckpointError, check_checkpoint
 from fastdecode.config import ConfigError, ModelConfig, unknown_name_error
-from fastdecode.model import FAMILIES
+from fastdecode.families import FAMILIES
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ def run(cfg: Any) -> dict:
 @hydra.main(config_path=str(CONFIG_DIR), config_name="engine", version_base="1.3")
 @one_line_errors
 def _main(cfg: DictConfig) -> None:
-    from fastdecode.bench.engine import to_markdown
+    from fastdecode.bench.engine_report import to_markdown
 
     print(to_markdown(run(cfg)))
 

@@ -216,6 +216,41 @@ def _chunks(
     )
 
 
+def _distills(distill: SelfDistill | None) -> bool:
+    return distill is not None and distill.weight > 0
+
+
+def _exit_weights(
+    layers: list[int],
+    weights: Sequence[float] | Mapping[int, float],
+    *,
+    chunk_size: int,
+    needs_last: bool,
+    last: int,
+) -> dict[int, float]:
+    """``{exit: weight}`` from a mapping or a sequence aligned with ``layers``; the arguments checked."""
+    w = dict(weights) if isinstance(weights, Mapping) else dict(zip(layers, weights, strict=True))
+    if set(w) != set(layers):
+        raise ValueError(f"weights are for exits {sorted(w)}, hidden states for {layers}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if needs_last and last not in layers:
+        raise ValueError(f"self-distillation needs the final exit {last} among the hidden states")
+    return w
+
+
+def _label_tokens(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The scored positions of HF-style ``labels [B, T]`` flattened (``valid [N]``: position t scores label
+    t+1), their targets ``[N]`` and N. With no label token: one ignored dummy position (the caller zeroes the
+    loss), so the norm and head stay in the graph."""
+    shifted = next_token_targets(labels).reshape(-1)  # [B*T]: position t -> label t+1
+    valid = (shifted != IGNORE_INDEX).nonzero().flatten()  # [N]
+    n = valid.numel()
+    if n == 0:
+        valid = torch.zeros(1, dtype=torch.long, device=labels.device)
+    return valid, shifted.index_select(0, valid), n
+
+
 def early_exit_loss(
     m: EarlyExitModel,
     hiddens: Mapping[int, torch.Tensor],
@@ -247,24 +282,12 @@ def early_exit_loss(
             (drawn with ``generator``), scaled by ``n / kept``: an unbiased estimate of the full exit loss at
             a fraction of the LM-head cost. 1.0 (default) is the exact loss.
     """
-    layers = sorted(hiddens)
-    w = dict(weights) if isinstance(weights, Mapping) else dict(zip(layers, weights, strict=True))
-    if set(w) != set(layers):
-        raise ValueError(f"weights are for exits {sorted(w)}, hidden states for {layers}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    last = m.num_layers - 1
-    if distill is not None and distill.weight > 0 and last not in hiddens:
-        raise ValueError(f"self-distillation needs the final exit {last} among the hidden states")
-    shifted = next_token_targets(labels).reshape(-1)  # [B*T]: position t -> label t+1
-    valid = (shifted != IGNORE_INDEX).nonzero().flatten()  # [N]
-    n = valid.numel()
-    if n == 0:  # no label token: one ignored dummy token keeps norm + head in the graph, loss is zeroed below
-        valid = torch.zeros(1, dtype=torch.long, device=labels.device)
-    targets = shifted.index_select(0, valid)  # [N]
+    layers, last = sorted(hiddens), m.num_layers - 1
+    w = _exit_weights(layers, weights, chunk_size=chunk_size, needs_last=_distills(distill), last=last)
+    valid, targets, n = _label_tokens(labels)
     chunks = _chunks(valid, targets, chunk_size, num_chunks)
     teacher = None
-    if distill is not None and distill.weight > 0:
+    if _distills(distill):
         teacher = hiddens[last].detach().reshape(-1, hiddens[last].shape[-1])  # [B*T, H]
     total = hiddens[layers[0]].new_zeros((), dtype=torch.float32)
     ce_log: dict[int, torch.Tensor] = {}
@@ -277,11 +300,9 @@ def early_exit_loss(
             keep = max(1, math.ceil(token_fraction * n))
             pick = torch.randperm(n, generator=generator)[:keep].sort().values.to(valid.device)
             sub, scale = _chunks(valid[pick], targets[pick], chunk_size, num_chunks), n / keep
-        ce, kl = _exit_sums(m, hiddens[layer], sub, t, temp)
-        ce, kl = ce * scale, kl * scale
+        ce, kl = (x * scale for x in _exit_sums(m, hiddens[layer], sub, t, temp))
         alpha = distill.weight if t is not None else 0.0
-        exit_sum = ce if alpha == 0 else (1 - alpha) * ce + alpha * kl
-        total = total + w[layer] * exit_sum
+        total = total + w[layer] * (ce if alpha == 0 else (1 - alpha) * ce + alpha * kl)
         ce_log[layer] = ce.detach() / max(n, 1)
         if t is not None:
             kl_log[layer] = kl.detach() / max(n, 1)

@@ -249,32 +249,51 @@ def run_with_layer_dropout(
     the forward of the DDP-wrapped module: calling the model on ``ddp.module`` directly bypasses the
     reducer and the gradients are silently not all-reduced.
     """
-    num_layers = m.num_layers
-    exits = {num_layers - 1} if exit_layers is None else set(exit_layers)
-    if not exits or not all(0 <= e < num_layers for e in exits):
-        raise ValueError(f"exit_layers {sorted(exits)} must be non-empty and within 0..{num_layers - 1}")
-    batch = hidden.shape[0]
-    if drops is not None:
-        if tuple(drops.shape) != (num_layers, batch):
-            raise ValueError(f"drops must be [L={num_layers}, B={batch}], got {tuple(drops.shape)}")
-        drops = drops.to("cpu", torch.bool)
+    exits, drops = _checked(m.num_layers, hidden.shape[0], exit_layers, drops)
     out: dict[int, torch.Tensor] = {}
     for start, end, kept in plan_segments(drops, exits, max(exits)):
         if kept is None:  # fast path: every row runs [start, end)
             hidden = m.run_layers(hidden, start, end, position_ids, attention_mask)
         elif kept:  # some rows drop this layer: run it on the kept rows only
-            idx = torch.tensor(kept, device=hidden.device)
-            part = m.run_layers(
-                hidden.index_select(0, idx),  # [K, T, H]
-                start,
-                end,
-                _rows(position_ids, idx, batch),  # [K, T]
-                _rows(attention_mask, idx, batch),  # [K, 1, T, S]
-            )
-            hidden = hidden.index_copy(0, idx, part.to(hidden.dtype))  # dropped rows: identity
+            hidden = _run_kept_rows(m, hidden, (start, end), kept, position_ids, attention_mask)
         elif touch_skipped:  # every row drops it: a zero-weighted "ghost" run of one row
             ghost = m.run_layers(hidden[:1], start, end, position_ids[:1], _first_row(attention_mask))
             hidden = hidden + (ghost * 0).sum().to(hidden.dtype)
         if end - 1 in exits:
             out[end - 1] = hidden
     return out
+
+
+def _checked(
+    num_layers: int, batch: int, exit_layers: Sequence[int] | set[int] | None, drops: torch.Tensor | None
+) -> tuple[set[int], torch.Tensor | None]:
+    """The exits (default: the last layer) and ``drops`` as ``[L, B]`` bool on the CPU, both checked."""
+    exits = {num_layers - 1} if exit_layers is None else set(exit_layers)
+    if not exits or not all(0 <= e < num_layers for e in exits):
+        raise ValueError(f"exit_layers {sorted(exits)} must be non-empty and within 0..{num_layers - 1}")
+    if drops is not None:
+        if tuple(drops.shape) != (num_layers, batch):
+            raise ValueError(f"drops must be [L={num_layers}, B={batch}], got {tuple(drops.shape)}")
+        drops = drops.to("cpu", torch.bool)
+    return exits, drops
+
+
+def _run_kept_rows(
+    m: EarlyExitModel,
+    hidden: torch.Tensor,
+    span: tuple[int, int],
+    kept: list[int],
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Layers ``span`` on the rows ``kept`` of ``hidden [B, T, H]`` (rows, positions and mask rows selected
+    together), scattered back; the other rows pass through unchanged."""
+    batch = hidden.shape[0]
+    idx = torch.tensor(kept, device=hidden.device)
+    part = m.run_layers(
+        hidden.index_select(0, idx),  # [K, T, H]
+        *span,
+        _rows(position_ids, idx, batch),  # [K, T]
+        _rows(attention_mask, idx, batch),  # [K, 1, T, S]
+    )
+    return hidden.index_copy(0, idx, part.to(hidden.dtype))  # dropped rows: identity

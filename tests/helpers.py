@@ -40,9 +40,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-RESIDUAL_WRITERS = ("o_proj", "down_proj", "out_proj", "fc2")  # modules that write into the residual stream
-
-
 @torch.no_grad()
 def redraw_matrices(model: torch.nn.Module, std: float, seed: int) -> None:
     """Replace every 2-D parameter of ``model`` by N(0, std^2) draws (one generator, parameter order)."""
@@ -61,10 +58,11 @@ def lively_model(name: str, upper_scale: float = 1.0, zero_from: int | None = No
     """
     model = copy.deepcopy(tiny_model(name)[0])
     redraw_matrices(model, 0.2, seed=0)
+    m = EarlyExitModel(model)
     with torch.no_grad():
-        for index, layer in enumerate(EarlyExitModel(model).layers):
+        for index, layer in enumerate(m.layers):
             for pname, param in layer.named_parameters():
-                if pname.split(".")[-2] in RESIDUAL_WRITERS:
+                if pname.rsplit(".", 1)[0] in m.family.residual_writers:  # what writes into the residual
                     param.mul_(upper_scale if index >= 1 else 1.0)
                     if zero_from is not None and index >= zero_from:
                         param.zero_()

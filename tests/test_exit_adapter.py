@@ -21,7 +21,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from adapter_train.config import ExitAdapterConfig, FeatureConfig, LossConfig
-from adapter_train.features import FeatureDataset, batch_features, build_features, collate_features
+from adapter_train.feature_records import batch_features
+from adapter_train.features import FeatureDataset, build_features, collate_features
 from adapter_train.module import AdapterLM
 from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig
 from fastdecode.draft_vocab_file import save_draft_vocab

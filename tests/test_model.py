@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdecode.config import ConfigError
-from fastdecode.model import FAMILIES, EarlyExitModel
+from fastdecode.config import ConfigError, ModelConfig, load_group
+from fastdecode.families import FAMILIES
+from fastdecode.model import EarlyExitModel
+from tests.conftest import TINY_MODELS
 
 TOL = 1e-5
 
@@ -18,10 +20,10 @@ def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
 
 
 def _hf_final_norm(model):
-    """HF's own final norm module, looked up here independently of fastdecode.model.FAMILIES."""
-    if model.config.model_type == "opt":
-        return model.model.decoder.final_layer_norm
-    return model.model.norm
+    """HF's own final norm module, looked up here independently of fastdecode.families.FAMILIES: the decoder's
+    ``norm`` (Llama-style) or ``final_layer_norm`` (OPT-style)."""
+    decoder = model.get_decoder()
+    return decoder.norm if hasattr(decoder, "norm") else decoder.final_layer_norm
 
 
 @torch.no_grad()
@@ -146,5 +148,8 @@ def test_flash_attention_is_refused_with_the_fix(tiny_llama):
         model.config._attn_implementation = "sdpa"
 
 
-def test_registry_covers_the_tiny_models():
-    assert {"llama", "mistral", "qwen2", "opt"} <= set(FAMILIES)
+def test_every_registered_family_has_a_tiny_config_the_tests_run():
+    """``TINY_MODELS`` is every ``configs/model/tiny-*.yaml``; each registered family has one, each one is of a
+    registered family: a family added to the registry without its tiny config fails here."""
+    families = {load_group("model", name, ModelConfig).family for name in TINY_MODELS}
+    assert families == set(FAMILIES) and {"llama", "mistral", "qwen2", "opt"} <= families

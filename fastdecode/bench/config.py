@@ -172,7 +172,7 @@ def draft_model_config(job: SpeedJob) -> ModelConfig | None:
             f"draft_model={job.draft_model}: neither a configs/model name ({', '.join(group_choices('model'))}) "
             "nor a directory with a config.json."
         )
-    family = json.loads(config.read_text()).get("model_type", "llama")
+    family = json.loads(config.read_text()).get("model_type")  # None: read from the weights
     name = Path(job.draft_model).name
     return ModelConfig(name=name, family=family, source="hub", name_or_path=job.draft_model, **placement)
 

@@ -241,6 +241,22 @@ class Prefill:
     logits: torch.Tensor  # [B, V]: logits after each row's last prompt token
 
 
+def left_pad(
+    prompts: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``prompts`` left-padded into one batch on ``device``: ids ``[B, W]`` (pad id 0: any id works, padding
+    is masked), validity ``[B, W]`` (bool, False on padding) and positions ``[B, W]`` (``0..len-1`` per row)."""
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    valid = torch.zeros(batch, width, dtype=torch.bool)
+    positions = torch.zeros(batch, width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        valid[row, width - len(prompt) :] = True
+        positions[row, width - len(prompt) :] = torch.arange(len(prompt))
+    return ids.to(device), valid.to(device), positions.to(device)
+
+
 def prefill(
     m: EarlyExitModel,
     prompts: list[list[int]],
@@ -257,15 +273,8 @@ def prefill(
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token (got an empty prompt or no prompts).")
-    batch, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(batch, width, dtype=torch.long)  # pad id 0: any id works, padding is masked
-    valid = torch.zeros(batch, width, dtype=torch.bool)
-    positions = torch.zeros(batch, width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        valid[row, width - len(prompt) :] = True
-        positions[row, width - len(prompt) :] = torch.arange(len(prompt))
-    ids, valid, positions = (t.to(m.device) for t in (ids, valid, positions))
+    ids, valid, positions = left_pad(prompts, m.device)
+    batch, width = ids.shape
     cache = m.new_cache(batch, max(capacity, width), extra_layers=0 if adapter is None else 1)
     cache.reserve(valid, 0, positions)
     hidden, depth = m.embed(ids, positions), exit_layer or m.num_layers

@@ -24,19 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from fastdecode.config import ConfigError
-from fastdecode.cost import cost_model
-from fastdecode.decoding.common import (
-    DecodeConfig,
-    DecodeOutput,
-    check,
-    configure_engine,
-    new_generator,
-    refuse_draft_model,
-)
-from fastdecode.decoding.ngram import PromptLookupProposer
+from fastdecode.decoding.common import DecodeConfig, DecodeOutput
+from fastdecode.decoding.ngram import PromptLookupProposer, generate_from_text
 from fastdecode.decoding.proposers import one_hot
-from fastdecode.decoding.speculative import Draft, Round, Verdict, speculate
+from fastdecode.decoding.speculative import Draft, Round, Verdict
 from fastdecode.model import EarlyExitModel
 
 
@@ -81,11 +72,4 @@ def generate(
     m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft: EarlyExitModel | None = None
 ) -> DecodeOutput:
     """Lookahead decoding of ``prompts``; output equals ``autoregressive`` (greedy), or its distribution."""
-    check(cfg, m, prompts)
-    refuse_draft_model("lookahead", draft)
-    if cfg.exit_layer is not None:
-        raise ConfigError("decoder 'lookahead' verifies with the whole model: set decoder.exit_layer=null.")
-    configure_engine(m, cfg)  # the execution engine this call decodes on (the checks above change nothing)
-    proposer = LookaheadProposer(prompts, cfg, cost_model(m, cfg.costs), m.vocab_size)
-    generator = new_generator(cfg, m.device)
-    return speculate(m, prompts, cfg, proposer, generator=generator)
+    return generate_from_text(m, prompts, cfg, draft, name="lookahead", proposer=LookaheadProposer)

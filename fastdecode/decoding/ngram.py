@@ -22,10 +22,19 @@ from __future__ import annotations
 
 import torch
 
-from fastdecode.cost import CostModel, best_draft_length
-from fastdecode.decoding.common import DecodeConfig
+from fastdecode.config import ConfigError
+from fastdecode.cost import CostModel, best_draft_length, cost_model
+from fastdecode.decoding.common import (
+    DecodeConfig,
+    DecodeOutput,
+    check,
+    configure_engine,
+    new_generator,
+    refuse_draft_model,
+)
 from fastdecode.decoding.proposers import ModelProposer, Proposer, one_hot
-from fastdecode.decoding.speculative import Draft, Round, Verdict
+from fastdecode.decoding.speculative import Draft, Round, Verdict, speculate
+from fastdecode.model import EarlyExitModel
 
 
 class NgramIndex:
@@ -57,9 +66,8 @@ class NgramIndex:
 
 # Prior conditional acceptance of draft position i (0, 1, 2+) after an n-token match, weighing PRIOR_WEIGHT
 # drafts: measured by replaying SmolLM2-135M-Instruct's greedy answers to 60 ShareGPT training prompts (no
-# evaluation set): n=1: 0.21 / 0.58 / 0.68-0.77, n=2: 0.54 / 0.51 / 0.62-0.96, n=3: 0.87-0.96. On that replay, with
-# the one-thread CPU's verification costs, the cost-aware cut gains 1.24x against 1.22x for the best fixed K (2)
-# and 1.22x with a flat prior of 0.5.
+# evaluation set): n=1: 0.21 / 0.58 / 0.68-0.77, n=2: 0.54 / 0.51 / 0.62-0.96, n=3: 0.87-0.96. What the cost-aware
+# cut gained on that replay: docs/BENCHMARKS.md, "Prompt lookup".
 PRIOR = {1: (0.2, 0.6, 0.7), 2: (0.5, 0.5, 0.6), 3: (0.85, 0.9, 0.9)}
 PRIOR_WEIGHT = 4.0
 
@@ -215,3 +223,28 @@ class ChainProposer(Proposer):
         if self.judged >= self.judge_after and self.gained < self.spent:
             self.retired = True
             self.fallback.retire()
+
+
+def generate_from_text(
+    m: EarlyExitModel,
+    prompts: list[list[int]],
+    cfg: DecodeConfig,
+    draft: EarlyExitModel | None = None,
+    *,
+    name: str,
+    proposer: type[PromptLookupProposer],
+    hint: str = "",
+) -> DecodeOutput:
+    """What the decoders that draft from the text a row holds share (``prompt_lookup``, ``lookahead``): the
+    checks (no draft model, no exit layer: the whole model verifies; ``hint`` follows that error), the engine,
+    then the speculative loop over a ``proposer`` (a ``PromptLookupProposer`` class) of the prompts."""
+    check(cfg, m, prompts)
+    refuse_draft_model(name, draft)
+    if cfg.exit_layer is not None:
+        raise ConfigError(
+            f"decoder '{name}' verifies with the whole model: set decoder.exit_layer=null (got "
+            f"{cfg.exit_layer}){hint}."
+        )
+    configure_engine(m, cfg)  # the execution engine this call decodes on (the checks above change nothing)
+    drafter = proposer(prompts, cfg, cost_model(m, cfg.costs), m.vocab_size)
+    return speculate(m, prompts, cfg, drafter, generator=new_generator(cfg, m.device))
