@@ -189,6 +189,17 @@ def _probe_cache(m: EarlyExitModel, context: int, steps: int, adapter=None):
     return cache, ids[:, context:], pos[:, context:], context
 
 
+def monotone(seconds: Sequence[float]) -> list[float]:
+    """Times per increasing T made non-decreasing (a running maximum): a forward over more new tokens never
+    costs less. A disturbed probe at a small T (the machine busy elsewhere) would otherwise make verifying two
+    tokens look cheaper than one step, and every draft look like it pays."""
+    out, high = [], 0.0
+    for value in seconds:
+        high = max(high, value)
+        out.append(high)
+    return out
+
+
 def _interleaved_minima(probes: dict, device: torch.device, repeats: int) -> dict:
     """The least disturbed of ``repeats`` interleaved rounds of every probe (after one untimed round)."""
     times: dict = {name: [] for name in probes}
@@ -226,8 +237,8 @@ def measure_costs(
         probes[("layers", t)] = lambda t=t: layers(t)
         probes[("head", t)] = lambda t=t: m.exit_logits(hidden_in[:, :t])
     found = _interleaved_minima(probes, device, repeats)
-    layer_min = [found[("layers", t)] / m.num_layers for t in tokens]
-    head_min = [found[("head", t)] for t in tokens]
+    layer_min = monotone([found[("layers", t)] / m.num_layers for t in tokens])
+    head_min = monotone([found[("head", t)] for t in tokens])
     step = layer_min[0] * m.num_layers + head_min[0]
     return CostModel(
         m.num_layers,
