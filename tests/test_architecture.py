@@ -61,9 +61,9 @@ ENGINE_RULE = (
 MODEL_SEAM = ("model", "families", "engine_build", "exit_blocks")
 RULES = [
     Rule(
-        "`errors`, `config`, `distributed`, `io`, `checkpoint`, `faults` and `locks` (the base) import nothing from fastdecode but each other.",
-        areas=("errors", "config", "distributed", "io", "checkpoint", "faults", "locks"),
-        only=("errors", "config", "distributed", "io", "checkpoint", "faults", "locks"),
+        "`errors`, `config`, `distributed`, `io`, `checkpoint`, `faults`, `locks` and `machine` (the base) import nothing from fastdecode but each other.",
+        areas=("errors", "config", "distributed", "io", "checkpoint", "faults", "locks", "machine"),
+        only=("errors", "config", "distributed", "io", "checkpoint", "faults", "locks", "machine"),
     ),
     *(
         Rule(ENGINE_RULE, areas=(area,), only=only)

@@ -68,7 +68,8 @@ def _header(job: EngineJob, m: EarlyExitModel) -> dict[str, Any]:
     """What the result says about the run: model, dtype, device, CPU, versions, git state, the job."""
     import transformers
 
-    from fastdecode.bench.report import cpu_name, git_state
+    from fastdecode.bench.report import git_state
+    from fastdecode.machine import cpu_name
 
     return {
         "model": job.model.name,

@@ -28,6 +28,7 @@ import torch
 from fastdecode.bench.categories import category_table
 from fastdecode.bench.plots import plot_all
 from fastdecode.io import atomic_write_text
+from fastdecode.machine import cpu_name
 
 ROOT = Path(__file__).resolve().parents[2]
 MD_COLUMNS = [
@@ -46,17 +47,6 @@ MD_COLUMNS = [
     ("match vs baseline", "match_rate", "{:.3f}"),
     ("peak MB", "peak_memory_mb", "{:.0f}"),
 ]
-
-
-def cpu_name() -> str:
-    """The CPU model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def git_state() -> dict:
