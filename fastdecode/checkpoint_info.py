@@ -63,22 +63,6 @@ def recommended_exit(directory: str | os.PathLike | None) -> tuple[int | None, s
     return None, "unset"
 
 
-def recorded_acceptance(directory: str | os.PathLike | None) -> dict[int, float] | None:
-    """Per-exit greedy draft acceptance recorded with a checkpoint: the LayerSkip recipe's
-    ``exit_report.json`` (agreement of each exit with the final layer on the model's own generations, after
-    training), in the checkpoint directory or the run directory above it. None when there is none."""
-    if not directory:
-        return None
-    for path in (Path(directory) / "exit_report.json", Path(directory).parent / "exit_report.json"):
-        if path.is_file():
-            report = json.loads(path.read_text(encoding="utf-8"))
-            report = report.get("after") or report
-            agreement = (report.get("generations") or {}).get("agreement")
-            if agreement:
-                return {int(k): float(v) for k, v in agreement.items()}
-    return None
-
-
 def hf_config(directory: str | os.PathLike) -> dict:
     """``config.json`` of a checkpoint directory as a mapping."""
     path = Path(directory) / "config.json"

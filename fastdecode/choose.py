@@ -1,33 +1,88 @@
-"""What pays on a model: the exit and draft length (``choose_exit``) and the lossless decoders to run
-(``plan_decoding``), both from the cost model (``fastdecode/cost.py``) and the acceptance a checkpoint records.
+"""What pays on a model: the exit and draft length a checkpoint recommends (``choose_exit``) and the plan of
+lossless decoders ``auto`` runs (``plan_decoding``), both from the cost model (``fastdecode/cost.py``) and the
+acceptance a checkpoint records (``fastdecode/acceptance.py``).
 
-The LayerSkip and exit-adapter recipes choose their exit here, their closing speed lines run the plan,
-``eval/exits.py`` recommends with it, ``eval/speed.py`` expands its ``auto`` method into the plan, and
-``fastdecode.from_pretrained(...).generate`` decodes with the plan's first decoder by default.
+The LayerSkip and exit-adapter recipes choose their exit here, their closing speed tables run the plan,
+``eval/exits.py`` recommends with it, ``eval/speed.py``'s ``auto`` row and
+``fastdecode.from_pretrained(...).generate`` run the plan's first candidate.
 
-The plan, in order of preference:
+Every kind of drafter that can be planned (``fastdecode.decoding.PROPOSERS``, ``ProposerKind.offers``) offers
+the drafters it can run on the model, each with the options that select it, its recorded acceptance and its
+cost. The plan prices each: the draft length K with the most tokens per cost (``price``), then
 
-1. prompt lookup chained before the exit adapter or the exit, when a drafter at some exit is expected to gain
-   ``min_speedup`` with the acceptance its checkpoint records (``chain``: a row drafts from the lookup when
-   its text matches, from the exit otherwise);
-2. prompt lookup alone: free to draft, and a row with no match pays nothing, so with the cost-aware policy it
-   is never expected to lose; it gains where outputs copy their input.
+1. prompt lookup alone: free to draft, a row with no match pays nothing; expected to gain ``LOOKUP_PRIOR``'s
+   speedup on this machine's costs (the text decides: outputs that copy their input gain most);
+2. prompt lookup chained before a chainable drafter that pays on its own (``MIN_SPEEDUP``): rows draft by
+   lookup where their text matches and through the drafter elsewhere, so it gains over lookup alone exactly
+   where lookup alone takes plain steps (``chain_speedup``); the chain's judge retires the drafter within a
+   call where the text makes it stop paying (``ngram.ChainProposer``);
+3. a drafter that cannot be chained, alone.
 
-An exit not expected to pay is reported in ``not_paying`` with its expected speedup, never chosen.
+Candidates are ranked by expected speedup; a drafter not expected to pay is reported in ``not_paying`` with its
+numbers, never run. A candidate's ``options`` are every option it was priced with: ``auto`` runs exactly them.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 
+from fastdecode.acceptance import AcceptanceRecord
 from fastdecode.cost import CostModel, exit_draft_cost, expected_tokens
-from fastdecode.exit_adapter import INDEX_FILE, load_adapter, read_meta, resolve_adapter
+from fastdecode.decoding import PROPOSERS, Offer, PlanInputs, ProposerKind
 from fastdecode.model import EarlyExitModel
 
-MAX_DRAFT = 8  # the longest constant draft considered
-MIN_SPEEDUP = 1.05  # an exit is chosen only if the cost model expects at least this
-LOOKUP_DRAFT = 6  # the most tokens a prompt-lookup draft may have (the adaptive policy cuts each one)
+MAX_DRAFT = 8  # the longest draft considered
+MIN_SPEEDUP = 1.05  # a drafter is planned (an exit recommended) only if the cost model expects at least this
+LOOKUP_DRAFT = 6  # the most tokens a prompt-lookup draft may have (the cost-aware cut shortens each one)
+# Every option a candidate sets, so that nothing else (a checkpoint's defaults) can change what was priced.
+PLAN_OWNED = ("exit_layer", "adapter", "draft_vocab", "chain", "policy", "draft_tokens")
+LOOKUP_OPTIONS = {
+    "exit_layer": None,
+    "adapter": None,
+    "draft_vocab": None,
+    "chain": False,
+    "policy": "adaptive",
+    "draft_tokens": LOOKUP_DRAFT,
+}
+
+
+@dataclass(frozen=True)
+class LookupPrior:
+    """Prompt lookup's rounds on text it was not tuned on: the share of rounds with a draft (``drafted``), the
+    tokens such a round yields (``tokens``, the verifier's own included) and the tokens it drafts
+    (``width``). Measured by replaying SmolLM2-135M-Instruct's greedy answers to ShareGPT training prompts
+    (``fastdecode-lookup-replay``, docs/BENCHMARKS.md)."""
+
+    drafted: float
+    tokens: float
+    width: float
+
+    def speedup(self, costs: CostModel, fallback: float = 1.0) -> float:
+        """Expected speedup over plain decoding; with a ``fallback`` drafter (its own speedup) drafting the
+        rounds without a lookup draft (a chain): those rounds' tokens then take 1/fallback of the time."""
+        q = self.drafted
+        tokens = q * self.tokens + (1 - q)
+        return tokens / (q * costs.verify(round(self.width) + 1) + (1 - q) / fallback)
+
+
+LOOKUP_PRIOR = LookupPrior(drafted=0.35, tokens=2.0, width=2.0)
+
+
+def tokens_per_round(offer: Offer, k: int) -> float:
+    """Tokens a round of ``k`` drafts yields: replayed when recorded, else i.i.d. from the acceptance."""
+    if k in offer.tokens_per_round:
+        return offer.tokens_per_round[k]
+    return expected_tokens([offer.acceptance or 0.0] * k)
+
+
+def price(offer: Offer, costs: CostModel, max_draft: int = MAX_DRAFT) -> tuple[int, float]:
+    """``(K, expected speedup)`` of ``offer`` alone at the draft length with the most tokens per cost."""
+    best = (0, 0.0)
+    for k in range(1, max_draft + 1):
+        speedup = tokens_per_round(offer, k) / offer.cost(costs, k)
+        if speedup > best[1]:
+            best = (k, speedup)
+    return best
 
 
 def choose_exit(
@@ -35,15 +90,16 @@ def choose_exit(
     costs: CostModel,
     *,
     draft_costs: dict[int, float] | None = None,
+    rounds: dict[int, dict[int, float]] | None = None,
     max_draft: int = MAX_DRAFT,
     min_speedup: float = MIN_SPEEDUP,
 ) -> dict:
     """The exit E and draft length K with the best expected self-speculation speedup.
 
-    ``agreement[E]``: the greedy acceptance of drafts from exit E (i.i.d. per position); ``draft_costs[E]``:
-    one drafted token's cost at E in plain steps (``exit_draft_cost``; default: E blocks and the full head).
-    A round of K drafts costs ``K * draft + verify(K + 1, from E)`` (``CostModel.round_cost``). Returns
-    ``exit: None`` when no exit is expected to gain ``min_speedup`` (speculating would not pay), with the best
+    ``agreement[E]``: the greedy acceptance of drafts from exit E; ``rounds[E][K]``: the tokens a round of K
+    drafts yields there, replayed (``fastdecode.acceptance``; else i.i.d. from the agreement);
+    ``draft_costs[E]``: one drafted token's cost at E in plain steps (``exit_draft_cost``; default: E blocks
+    and the full head). Returns ``exit: None`` when no exit is expected to gain ``min_speedup``, with the best
     pair found (even a slowdown) as ``best_found``; ``costs`` says which cost model decided.
     """
     best = {"exit": None, "draft": 0, "expected_speedup": 0.0}
@@ -52,10 +108,11 @@ def choose_exit(
         if not 1 <= exit_ < costs.num_layers:
             continue
         token = (draft_costs or {}).get(exit_, costs.draft_token(exit_))
-        for k in range(1, max_draft + 1):
-            speedup = expected_tokens([float(alpha)] * k) / costs.round_cost(k, token, exit_)
-            if speedup > best["expected_speedup"]:
-                best = {"exit": exit_, "draft": k, "expected_speedup": speedup}
+        found = (rounds or {}).get(exit_) or {}
+        offer = Offer("exit", {}, float(alpha), token, exit_, exit_, {int(k): v for k, v in found.items()})
+        k, speedup = price(offer, costs, max_draft)
+        if speedup > best["expected_speedup"]:
+            best = {"exit": exit_, "draft": k, "expected_speedup": speedup}
     if best["expected_speedup"] < min_speedup:
         best = {"exit": None, "draft": 0, "expected_speedup": 1.0, "best_found": best}
     return best | {"costs": costs.source}
@@ -69,14 +126,19 @@ def adapter_draft_costs(costs: CostModel, m: EarlyExitModel, adapters: dict, voc
 
 @dataclass
 class Candidate:
-    """A lossless decoder the plan runs: ``method`` (a ``DECODERS`` name) with ``options`` (``DecodeConfig``
-    fields); ``expected_speedup``: None where it depends on the text (n-gram drafting)."""
+    """A lossless decoder the plan runs: ``method`` (a decoder name) with ``options`` (``DecodeConfig``
+    fields: every one it was priced with), its ``expected_speedup`` over plain decoding, and what it drafts
+    with (``drafter``, ``exit_layer``, the recorded ``acceptance`` and the priced draft length ``draft``)."""
 
     name: str
     method: str
     options: dict
-    expected_speedup: float | None
+    expected_speedup: float
     reason: str
+    drafter: str = "prompt_lookup"
+    exit_layer: int | None = None
+    acceptance: float | None = None
+    draft: int | None = None
 
 
 @dataclass
@@ -92,96 +154,74 @@ class Plan:
         return {"candidates": [asdict(c) for c in self.candidates], "not_paying": self.not_paying}
 
 
-@dataclass
-class RecordedAdapter:
-    """An exit adapter and what its training recorded: its directory, E, parameters, draft vocabulary rows and
-    greedy agreement on the model's own generations (None when not recorded)."""
-
-    path: str
-    exit_layer: int
-    parameters: int
-    head_rows: int | None
-    agreement: float | None
+def _lookup(costs: CostModel) -> Candidate:
+    speedup = LOOKUP_PRIOR.speedup(costs)
+    reason = "free drafts from the row's own text; a row with no match pays nothing"
+    return Candidate("prompt_lookup", "prompt_lookup", dict(LOOKUP_OPTIONS), speedup, reason)
 
 
-def recorded_adapter(path: str) -> RecordedAdapter:
-    """An exit adapter's record without loading it: ``adapter.json`` (E, parameters, draft vocabulary) and the
-    agreement its training run measured (``adapters.json`` beside it, when there is one)."""
-    directory = resolve_adapter(path)
-    meta = read_meta(directory)
-    index = directory.parent / INDEX_FILE
-    agreement = None
-    if index.is_file():
-        found = (json.loads(index.read_text(encoding="utf-8")).get("agreement") or {}).get("adapter") or {}
-        agreement = found.get(str(meta["exit_layer"]))
-    vocab = meta.get("draft_vocab") or {}
-    return RecordedAdapter(
-        str(directory), meta["exit_layer"], meta["parameters"], vocab.get("size"), agreement
+def _candidate(kind: ProposerKind, offer: Offer, costs: CostModel, k: int, alone: float) -> Candidate:
+    """The candidate that runs ``offer``: chained after prompt lookup when the kind can be, else alone."""
+    acceptance = f"acceptance {offer.acceptance:.2f}" + (
+        f" at E={offer.exit_layer}" if offer.exit_layer else ""
+    )
+    if kind.chainable:
+        options = offer.options | {"chain": True, "policy": "adaptive", "draft_tokens": MAX_DRAFT}
+        speedup = LOOKUP_PRIOR.speedup(costs, fallback=alone)
+        reason = f"prompt lookup, else {offer.drafter} ({acceptance}: {alone:.2f}x alone at K={k})"
+        name = f"prompt_lookup+{offer.drafter.split(' ')[0]}"
+    else:
+        options = offer.options | {"chain": False, "policy": "constant", "draft_tokens": k}
+        speedup, reason, name = alone, f"{offer.drafter} ({acceptance}, K={k})", offer.drafter
+    options = {key: options.get(key, LOOKUP_OPTIONS[key]) for key in PLAN_OWNED} | options
+    return Candidate(
+        name, kind.name, options, speedup, reason, offer.drafter, offer.exit_layer, offer.acceptance, k
     )
 
 
-def _drafter(
-    costs: CostModel, name: str, exit_layer: int, alpha: float | None, token: float, options: dict, plan: Plan
-) -> None:
-    """Add the chain through this drafter to ``plan`` when it is expected to pay, else note why not."""
-    if alpha is None:
-        plan.not_paying.append({"drafter": name, "exit": exit_layer, "reason": "no acceptance recorded"})
-        return
-    choice = choose_exit({exit_layer: alpha}, costs, draft_costs={exit_layer: token}, min_speedup=MIN_SPEEDUP)
-    if choice["exit"] is None:
-        found = choice["best_found"]
+def _priced(offers: list[tuple[ProposerKind, Offer]], costs: CostModel, plan: Plan) -> None:
+    """Add the best paying offer per drafter to ``plan``; note the best of each that does not pay."""
+    best: dict[str, tuple[float, int, ProposerKind, Offer]] = {}
+    for kind, offer in offers:
+        if offer.acceptance is None:
+            plan.not_paying.append(
+                {"drafter": offer.drafter, "exit": offer.exit_layer, "reason": "no acceptance recorded"}
+            )
+            continue
+        k, speedup = price(offer, costs)
+        if offer.drafter not in best or speedup > best[offer.drafter][0]:
+            best[offer.drafter] = (speedup, k, kind, offer)
+    for drafter, (speedup, k, kind, offer) in best.items():
+        if speedup >= MIN_SPEEDUP:
+            plan.candidates.append(_candidate(kind, offer, costs, k, speedup))
+            continue
         plan.not_paying.append(
             {
-                "drafter": name,
-                "exit": exit_layer,
-                "acceptance": alpha,
-                "expected_speedup": found["expected_speedup"],
+                "drafter": drafter,
+                "exit": offer.exit_layer,
+                "acceptance": offer.acceptance,
+                "draft": k,
+                "expected_speedup": speedup,
             }
         )
-        return
-    options = options | {"chain": True, "policy": "adaptive", "draft_tokens": MAX_DRAFT}
-    reason = f"acceptance {alpha:.2f} at E={exit_layer}: {choice['expected_speedup']:.2f}x expected (K={choice['draft']})"
-    plan.candidates.append(
-        Candidate(f"prompt_lookup+{name}", "self_speculative", options, choice["expected_speedup"], reason)
-    )
 
 
 def plan_decoding(
     m: EarlyExitModel,
     costs: CostModel,
     *,
-    exit_agreement: dict[int, float] | None = None,
-    adapter: RecordedAdapter | None = None,
+    record: AcceptanceRecord | None = None,
+    adapter: str | None = None,
 ) -> Plan:
     """The lossless decoders expected to pay on ``m`` (see the module docstring), best first.
 
-    ``exit_agreement``: per exit, the acceptance a LayerSkip checkpoint records (``exit_report.json``);
-    ``adapter``: an exit adapter and its recorded agreement.
+    ``record``: what the checkpoint records (``fastdecode.acceptance.read_record``); ``adapter``: an exit
+    adapter directory given with the model (its own record beside it). ``costs``: the cost model at the
+    batch size the plan is for.
     """
-    plan = Plan([])
-    if adapter is not None:
-        token = 0.0
-        if adapter.agreement is not None:  # else nothing to weigh the cost against
-            loaded, _, vocab = load_adapter(adapter.path, m)
-            token = exit_draft_cost(costs, m, adapter.exit_layer, adapter=loaded, vocab=vocab)
-        _drafter(
-            costs, "adapter", adapter.exit_layer, adapter.agreement, token, {"adapter": adapter.path}, plan
-        )
-    if exit_agreement:
-        choice = choose_exit(exit_agreement, costs, draft_costs=None)
-        exit_layer = choice["exit"] or (choice.get("best_found") or {}).get("exit")
-        if exit_layer is not None:
-            alpha = exit_agreement.get(exit_layer, exit_agreement.get(str(exit_layer)))
-            token = exit_draft_cost(costs, m, exit_layer)
-            _drafter(costs, "exit", exit_layer, alpha, token, {"exit_layer": exit_layer}, plan)
-    plan.candidates.sort(key=lambda c: -(c.expected_speedup or 0.0))
-    plan.candidates.append(
-        Candidate(
-            "prompt_lookup",
-            "prompt_lookup",
-            {"policy": "adaptive", "draft_tokens": LOOKUP_DRAFT},
-            None,
-            "free drafts from the row's own text; a row with no match pays nothing",
-        )
-    )
+    inputs = PlanInputs(m, costs, record, adapter)
+    offers = [(kind, offer) for kind in PROPOSERS.values() if kind.offers for offer in kind.offers(inputs)]
+    plan = Plan([_lookup(costs)])
+    _priced(offers, costs, plan)
+    plan.candidates.sort(key=lambda c: -c.expected_speedup)
     return plan

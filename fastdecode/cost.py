@@ -1,7 +1,9 @@
 """The cost model of drafting and verifying: the one place that says what a drafted token and a verification cost.
 
-Unit: one plain decoding step of the model, a forward over one new token through every layer and the full LM
-head (= 1.0). Two tables, indexed by the number T of new tokens a forward carries (batch 1):
+Unit: one plain decoding step of the model, a forward over one new token per row through every layer and the
+full LM head (= 1.0), at the batch size the model was measured at (``CostModel.batch``: a batch verifies as
+wide as its longest draft, so its costs are its own). Two tables, indexed by the number T of new tokens per
+row a forward carries:
 
 - ``layer[T]``: one decoder block over T new tokens. "A block" is the average block of the model: the
   layers' total divided by their number (measured: one timed pass through every layer; estimated: the mean
@@ -18,10 +20,11 @@ step.
 Two sources:
 
 - ``measured`` (``measure_costs``): timed on the loaded model on the path decoding takes (the engine with its
-  calibrated kernels, the cache), the least disturbed of interleaved rounds, once per model, engine and thread
-  count. On a
-  CPU a forward over T new tokens is far from free (the kernels' cost steps up with T), and the choices must
-  see that.
+  calibrated kernels, the cache), the least disturbed of interleaved rounds, then the lower envelope over T
+  (timing noise only adds time, and a forward over more tokens never costs less). Measured once per model,
+  machine, engine, thread count and batch size, and kept on disk (``fastdecode/cost_store.py``), so a new
+  process reads it instead of timing again. On a CPU a forward over T new tokens is far from free (the
+  kernels' cost steps up with T), and the choices must see that.
 - ``estimated`` (``estimate_costs``): the weights each part reads, the memory-bound model of a GPU at batch 1
   (a forward costs the same for every small T). The fallback when nothing can be timed.
 
@@ -32,15 +35,22 @@ and through it the recipes' speed lines, ``eval/exits.py`` and the speed benchma
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 from fastdecode.config import unknown_name_error
+from fastdecode.cost_store import load_measured, save_measured
 from fastdecode.engine import default_options
+from fastdecode.identity import weights_fingerprint
 from fastdecode.model import EarlyExitModel
+
+log = logging.getLogger(__name__)
 
 SOURCES = ("measured", "estimated")
 PROBE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # T values timed; others are interpolated / extrapolated
@@ -58,6 +68,7 @@ class CostModel:
     head: tuple[float, ...]  # head[i]: the full head over tokens[i] rows
     source: str
     step_seconds: float | None = None  # the unit in seconds (measured only)
+    batch: int = 1  # rows per forward the tables were measured with
 
     def _at(self, table: tuple[float, ...], tokens: int) -> float:
         """``table`` at T = ``tokens``: linear between probed T, extrapolated from the last two beyond."""
@@ -159,7 +170,12 @@ def estimate_costs(m: EarlyExitModel) -> CostModel:
     return CostModel(m.num_layers, m.vocab_size, (1,), (block / step,), (head / step,), "estimated")
 
 
-def _timed(fn, device: torch.device) -> float:
+Timer = Callable[[tuple, Callable[[], Any], torch.device], float]
+
+
+def timed(name: tuple, fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds ``fn()`` takes (the device synchronised before both clock reads); ``name`` says which probe
+    (``measure_costs`` takes another timer of this signature in tests)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -169,16 +185,22 @@ def _timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _probe_cache(m: EarlyExitModel, context: int, steps: int, adapter=None):
-    """A batch-1 cache holding ``context`` random tokens (every layer, and an exit adapter's layer), the ids
-    and positions of ``steps`` more."""
+def cost_batch(rows: int) -> int:
+    """The batch size whose measured costs price a batch of ``rows`` rows: the next power of two (a cost
+    model per batch size ever seen would time the model again for every new one)."""
+    return 1 << max(0, int(rows) - 1).bit_length()
+
+
+def _probe_cache(m: EarlyExitModel, context: int, steps: int, *, batch: int = 1, adapter=None):
+    """A cache of ``batch`` rows holding ``context`` random tokens each (every layer, and an exit adapter's
+    layer), the ids ``[B, steps]`` and positions of ``steps`` more."""
     device = m.device
     context = min(context, m.config.max_position_embeddings - steps)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(m.vocab_size, (1, context + steps), generator=generator).to(device)
-    pos = torch.arange(ids.shape[1], device=device)[None]
-    cache = m.new_cache(1, ids.shape[1] + 1, extra_layers=0 if adapter is None else 1)
-    cache.reserve(torch.ones(1, context, dtype=torch.bool, device=device), 0, pos[:, :context])
+    ids = torch.randint(m.vocab_size, (batch, context + steps), generator=generator).to(device)
+    pos = torch.arange(ids.shape[1], device=device)[None].expand(batch, -1)
+    cache = m.new_cache(batch, ids.shape[1] + 1, extra_layers=0 if adapter is None else 1)
+    cache.reserve(torch.ones(batch, context, dtype=torch.bool, device=device), 0, pos[:, :context])
     split = m.num_layers if adapter is None else adapter.exit_layer
     hidden = m.run_layers(
         m.embed(ids[:, :context], pos[:, :context]), 0, split, pos[:, :context], cache=cache
@@ -189,23 +211,25 @@ def _probe_cache(m: EarlyExitModel, context: int, steps: int, adapter=None):
     return cache, ids[:, context:], pos[:, context:], context
 
 
-def monotone(seconds: Sequence[float]) -> list[float]:
-    """Times per increasing T made non-decreasing (a running maximum): a forward over more new tokens never
-    costs less. A disturbed probe at a small T (the machine busy elsewhere) would otherwise make verifying two
-    tokens look cheaper than one step, and every draft look like it pays."""
-    out, high = [], 0.0
-    for value in seconds:
-        high = max(high, value)
-        out.append(high)
-    return out
+def lower_envelope(seconds: Sequence[float]) -> list[float]:
+    """Times per increasing T lowered to the largest non-decreasing sequence below them: each T takes the
+    least time measured at T or any larger T. Timing noise only ever adds time, and a forward over more new
+    tokens never costs less, so a probe slower than a larger T's was disturbed (a busy machine): its true
+    cost is at most the larger T's. (A running maximum would copy one disturbed small-T probe to every
+    larger T, making verification look free.)"""
+    out, low = [], float("inf")
+    for value in reversed(seconds):
+        low = min(low, value)
+        out.append(low)
+    return out[::-1]
 
 
-def _interleaved_minima(probes: dict, device: torch.device, repeats: int) -> dict:
+def _interleaved_minima(probes: dict, device: torch.device, repeats: int, timer: Timer) -> dict:
     """The least disturbed of ``repeats`` interleaved rounds of every probe (after one untimed round)."""
     times: dict = {name: [] for name in probes}
     for round_ in range(repeats + 1):
         for name, probe in probes.items():
-            seconds = _timed(probe, device)
+            seconds = timer(name, probe, device)
             if round_:
                 times[name].append(seconds)
     return {name: min(found) for name, found in times.items()}
@@ -216,29 +240,32 @@ def measure_costs(
     m: EarlyExitModel,
     tokens: Sequence[int] = PROBE_TOKENS,
     *,
+    batch: int = 1,
     context: int = PROBE_CONTEXT,
     repeats: int = 7,
+    timer: Timer = timed,
 ) -> CostModel:
-    """Time the model's layers and head at every T of ``tokens`` on the engine it has selected (interleaved
-    rounds after one untimed round; the least disturbed round per T, as the engine's kernel calibration
-    keeps: on a shared machine the minimum is the stable statistic), at batch 1 with ``context`` cached
-    tokens of random ids."""
+    """Time the model's layers and head at every T of ``tokens`` new tokens per row on the engine it has
+    selected (interleaved rounds after one untimed round; the least disturbed round per T, as the engine's
+    kernel calibration keeps: on a shared machine the minimum is the stable statistic; then the lower
+    envelope over T, ``lower_envelope``), with ``batch`` rows of ``context`` cached random tokens."""
     device, tokens = m.device, tuple(sorted(set(tokens)))
-    cache, ids, pos, context = _probe_cache(m, context, max(tokens))
+    cache, ids, pos, context = _probe_cache(m, context, max(tokens), batch=batch)
     hidden_in = m.embed(ids, pos)
+    rows = torch.ones(batch, 1, dtype=torch.bool, device=device)
 
     def layers(t: int) -> None:
         cache.crop(context)
-        cache.reserve(torch.ones(1, t, dtype=torch.bool, device=device), context, pos[:, :t])
+        cache.reserve(rows.expand(-1, t), context, pos[:, :t])
         m.run_layers(hidden_in[:, :t], 0, m.num_layers, pos[:, :t], cache=cache)
 
     probes = {}
     for t in tokens:
         probes[("layers", t)] = lambda t=t: layers(t)
         probes[("head", t)] = lambda t=t: m.exit_logits(hidden_in[:, :t])
-    found = _interleaved_minima(probes, device, repeats)
-    layer_min = monotone([found[("layers", t)] / m.num_layers for t in tokens])
-    head_min = monotone([found[("head", t)] for t in tokens])
+    found = _interleaved_minima(probes, device, repeats, timer)
+    layer_min = lower_envelope([found[("layers", t)] / m.num_layers for t in tokens])
+    head_min = lower_envelope([found[("head", t)] for t in tokens])
     step = layer_min[0] * m.num_layers + head_min[0]
     return CostModel(
         m.num_layers,
@@ -248,7 +275,21 @@ def measure_costs(
         tuple(x / step for x in head_min),
         "measured",
         step,
+        batch,
     )
+
+
+def drafter_key(adapter, vocab: torch.Tensor | None) -> tuple:
+    """What a drafted token's measured cost depends on besides the model and engine: the adapter (its
+    files' identity when it was loaded from them, else its kind, exit and a fingerprint of its weights) and
+    the draft vocabulary (its size and a digest of its ids). Never ``id()``: a new object may reuse one."""
+    files = getattr(adapter, "files", None)
+    if files is None:
+        files = (adapter.kind, adapter.exit_layer, weights_fingerprint(adapter))
+    if vocab is None:
+        return (files, None)
+    digest = hashlib.sha256(vocab.detach().cpu().numpy().tobytes()).hexdigest()[:16]
+    return (files, len(vocab), digest)
 
 
 @torch.inference_mode()
@@ -257,20 +298,20 @@ def measure_exit_draft(
 ) -> float:
     """One token drafted through ``adapter`` at ``exit_layer`` (its blocks, the adapter with its cache layer,
     the head over ``vocab``, the softmax a confidence needs) over one plain decoding step, both timed on the
-    same cache, interleaved; kept on the model per adapter, vocabulary, engine and thread count."""
+    same cache, interleaved; kept on the model per adapter and vocabulary (``drafter_key``), engine and
+    thread count."""
     engine = m.engine
     key = (
         "exit_draft",
         exit_layer,
-        id(adapter),
-        None if vocab is None else id(vocab),
+        drafter_key(adapter, vocab),
         None if engine is None else engine.options,
         torch.get_num_threads(),
         str(m.device),
     )
     if key in m.measurements:
         return m.measurements[key]
-    cache, ids, pos, context = _probe_cache(m, PROBE_CONTEXT, 1, adapter)
+    cache, ids, pos, context = _probe_cache(m, PROBE_CONTEXT, 1, adapter=adapter)
     valid = torch.ones(1, 1, dtype=torch.bool, device=m.device)
 
     def begin() -> torch.Tensor:
@@ -286,30 +327,52 @@ def measure_exit_draft(
         head = m.exit_logits if vocab is None else (lambda h: m.exit_logits_subset(h, vocab))
         head(hidden[:, -1]).softmax(-1).argmax(-1)
 
-    found = _interleaved_minima({"step": step, "draft": draft}, m.device, repeats)
+    found = _interleaved_minima({"step": step, "draft": draft}, m.device, repeats, timed)
     m.measurements[key] = found["draft"] / found["step"]
     return m.measurements[key]
 
 
-def decoding_costs(m: EarlyExitModel, source: str = "measured") -> CostModel:
+def decoding_costs(m: EarlyExitModel, source: str = "measured", *, batch: int = 1) -> CostModel:
     """The cost model of decoding with ``m`` outside a decoder (reports, recipes): selects the device's
     default execution engine on ``m`` first (what the decoders run by default), then ``cost_model``."""
     m.use_engine(default_options(m.device))
-    return cost_model(m, source)
+    return cost_model(m, source, batch=batch)
 
 
-def cost_model(m: EarlyExitModel, source: str = "measured") -> CostModel:
-    """The cost model of ``m`` on the engine it has selected: ``measured`` once per engine and thread count
-    (kept on the model, ``EarlyExitModel.measurements``), or ``estimated``."""
+def _store_key(m: EarlyExitModel, probes: Sequence[int], batch: int) -> str:
+    engine = m.engine
+    options = "hf" if engine is None else ",".join(f"{k}={v}" for k, v in asdict(engine.options).items())
+    return f"layers+head|{options}|threads={torch.get_num_threads()}|batch={batch}|T={list(probes)}"
+
+
+def cost_model(m: EarlyExitModel, source: str = "measured", *, batch: int = 1) -> CostModel:
+    """The cost model of ``m`` on the engine it has selected, for batches of ``batch`` rows (priced at
+    ``cost_batch(batch)``): ``measured`` once per model, machine, engine, thread count and batch size (kept
+    on the model, ``EarlyExitModel.measurements``, and on disk, ``fastdecode/cost_store.py``), or
+    ``estimated``."""
     if source not in SOURCES:
         raise unknown_name_error("cost model source", source, list(SOURCES), "(decoder.costs)")
     if source == "estimated":
         return estimate_costs(m)
-    engine = m.engine
-    key = ("costs", None if engine is None else engine.options, torch.get_num_threads(), str(m.device))
+    engine, batch = m.engine, cost_batch(batch)
+    key = ("costs", None if engine is None else engine.options, torch.get_num_threads(), str(m.device), batch)
     found = m.measurements.get(key)
-    if found is None:
-        # compiled layer ranges build one graph per T: probe only the lengths drafts use most
-        probes = [t for t in PROBE_TOKENS if t <= 8] if engine and engine.options.compile else PROBE_TOKENS
-        found = m.measurements[key] = measure_costs(m, probes)
+    if found is not None:
+        return found
+    # compiled layer ranges build one graph per T: probe only the lengths drafts use most
+    probes = [t for t in PROBE_TOKENS if t <= 8] if engine and engine.options.compile else PROBE_TOKENS
+    fingerprint, store_key = weights_fingerprint(m.hf), _store_key(m, probes, batch)
+    stored = load_measured(fingerprint, m.device, store_key)
+    if stored is not None:
+        found = CostModel(**{k: tuple(v) if isinstance(v, list) else v for k, v in stored.items()})
+    else:
+        started = time.perf_counter()
+        found = measure_costs(m, probes, batch=batch)
+        log.info(
+            "cost model measured in %.1f s (batch %d), kept for later runs",
+            time.perf_counter() - started,
+            batch,
+        )
+        save_measured(fingerprint, m.device, store_key, found.to_json())
+    m.measurements[key] = found
     return found

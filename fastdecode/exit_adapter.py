@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from torch import nn
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE, load_draft_vocab, save_draft_vocab
 from fastdecode.exit_blocks import KINDS
-from fastdecode.file_cache import FileCache
+from fastdecode.file_cache import FileCache, file_identity
 from fastdecode.identity import tokenizer_fingerprint, weights_fingerprint
 from fastdecode.io import atomic_path, atomic_write_json
 from fastdecode.model import EarlyExitModel
@@ -152,6 +153,7 @@ class ExitAdapter(nn.Module):
         self.slot = m.num_layers  # its cache layer
         self.window = m.layer_window(source)
         self.block = m.adapter_block(kind, source, self.slot, zero_residual).to(m.device)
+        self.files: tuple | None = None  # identity of the files it was loaded from (``load_adapter``)
 
     def forward(
         self,
@@ -258,6 +260,40 @@ def resolve_adapter(path: str | os.PathLike) -> Path:
     )
 
 
+@dataclass
+class RecordedAdapter:
+    """An exit adapter and what its training recorded (``adapters.json`` beside it): its directory, E, greedy
+    agreement on the model's own generations (None when not recorded) and tokens per round of K drafts
+    (``fastdecode.acceptance.replay_rounds``; empty when not recorded)."""
+
+    path: str
+    exit_layer: int
+    agreement: float | None
+    tokens_per_round: dict[int, float] = field(default_factory=dict)
+
+
+def recorded_adapter(path: str | os.PathLike) -> RecordedAdapter:
+    """An exit adapter's record without loading it: ``adapter.json`` (E) and what its training run measured
+    (``adapters.json`` beside it, when there is one; a damaged one is refused by name)."""
+    directory = resolve_adapter(path)
+    meta = read_meta(directory)
+    index, exit_key = directory.parent / INDEX_FILE, str(meta["exit_layer"])
+    agreement, rounds = None, {}
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+            agreement = ((data.get("agreement") or {}).get("adapter") or {}).get(exit_key)
+            found = ((data.get("tokens_per_round") or {}).get("adapter") or {}).get(exit_key) or {}
+            agreement = None if agreement is None else float(agreement)
+            rounds = {int(k): float(v) for k, v in found.items()}
+        except (ValueError, TypeError, AttributeError) as err:
+            raise AdapterError(
+                f"{index} is damaged ({err}); delete it (the adapter then has no recorded acceptance and auto "
+                "does not plan it) or train the adapters again."
+            ) from err
+    return RecordedAdapter(str(directory), int(meta["exit_layer"]), agreement, rounds)
+
+
 def read_meta(directory: str | os.PathLike) -> dict:
     """``adapter.json`` of an adapter directory (resolved as in ``resolve_adapter``)."""
     path = resolve_adapter(directory) / META_FILE
@@ -280,6 +316,7 @@ def load_adapter(
     adapter = ExitAdapter(m, meta["exit_layer"], meta["kind"], meta["source"])
     adapter.load_state_dict(load_file(str(directory / WEIGHTS_FILE)), strict=True)
     adapter.to(device=m.device, dtype=m.dtype).eval()
+    adapter.files = file_identity([directory / META_FILE, directory / WEIGHTS_FILE])
     ids = None
     if meta.get("draft_vocab"):
         ids, vocab_size = load_draft_vocab(directory / meta["draft_vocab"]["file"])

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from fastdecode.acceptance import replay_rounds
 from fastdecode.data.chat import user_prompt_ids
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokens import IGNORE_INDEX, next_token_nll, next_token_targets, perplexity
@@ -45,26 +46,44 @@ class ExitStats:
 
 
 @torch.no_grad()
-def score_sequence(
-    m: EarlyExitModel, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None = None
-) -> tuple[dict[int, float], dict[int, float], int]:
-    """Agreement (and label NLL) sums of every exit on one row.
+def exit_predictions(
+    m: EarlyExitModel,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    vocab: torch.Tensor | None = None,
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, float]]:
+    """Every exit's top-1 prediction at the scored positions of one row.
 
     Args:
         input_ids: ``[1, T]`` tokens.
         mask: ``[T]`` bool, positions whose *next-token prediction* is scored.
         labels: ``[T]`` next-token targets (already shifted: ``labels[t]`` is the token after ``t``), or None.
-    Returns: ``(agree_sums, nll_sums, scored_positions)`` keyed by blocks run (1..L).
+        vocab: ``[S]`` draft vocabulary ids, or None.
+    Returns: ``(preds, vocab_preds, nll_sums)`` keyed by blocks run (1..L): ``[N]`` predictions through the
+    full head, through the draft vocabulary's rows (full-vocabulary ids; empty without ``vocab``), and the
+    labels' NLL sums (empty without labels).
     """
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
     hidden = m.embed(input_ids, positions)
-    preds, nll = {}, {}
+    preds, vocab_preds, nll = {}, {}, {}
     for layer in range(m.num_layers):
         hidden = m.run_layers(hidden, layer, layer + 1, positions)
         logits = m.exit_logits(hidden[0, mask]).float()  # [N, V]: only the scored positions
         preds[layer + 1] = logits.argmax(-1)
+        if vocab is not None:
+            vocab_preds[layer + 1] = vocab[logits[:, vocab].argmax(-1)]
         if labels is not None:
             nll[layer + 1] = F.cross_entropy(logits, labels[mask], reduction="sum").item()
+    return preds, vocab_preds, nll
+
+
+def score_sequence(
+    m: EarlyExitModel, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None = None
+) -> tuple[dict[int, float], dict[int, float], int]:
+    """Agreement (and label NLL) sums of every exit on one row (``exit_predictions``'s arguments).
+    Returns: ``(agree_sums, nll_sums, scored_positions)`` keyed by blocks run (1..L)."""
+    preds, _, nll = exit_predictions(m, input_ids, mask, labels)
     final = preds[m.num_layers]
     agree = {k: (p == final).sum().item() for k, p in preds.items()}
     return agree, nll, int(mask.sum().item())
@@ -99,16 +118,37 @@ def greedy_generations(model, tokenizer, prompts: list[str], max_new_tokens: int
     return out
 
 
-def generation_report(m: EarlyExitModel, generations: list[tuple[list, int]]) -> dict:
-    """Per-exit top-1 agreement with the final layer on the model's own greedy tokens (draft acceptance)."""
-    stats = ExitStats()
+@torch.no_grad()
+def generation_report(
+    m: EarlyExitModel, generations: list[tuple[list, int]], vocab: torch.Tensor | None = None
+) -> dict:
+    """Per-exit top-1 agreement with the final layer on the model's own greedy tokens (draft acceptance),
+    and the tokens a round of K drafts yields (``fastdecode.acceptance.replay_rounds``); with ``vocab`` (a
+    draft vocabulary ``[S]``) the same through its rows (``draft_vocab_*``)."""
+    heads = {"": {}, "draft_vocab_": {}} if vocab is not None else {"": {}}
+    vocab = None if vocab is None else vocab.to(m.device)
+    tokens = 0
     for ids, prompt_len in generations:
         seq = torch.tensor(ids, device=m.device)[None]
         mask = torch.zeros(len(ids), dtype=torch.bool, device=m.device)
         mask[prompt_len - 1 : len(ids) - 1] = True  # predictions of the generated tokens
-        if mask.any():
-            stats.add(*score_sequence(m, seq, mask))
-    return stats.summary() | {"tokens": stats.tokens}
+        if not mask.any():
+            continue
+        preds, vocab_preds, _ = exit_predictions(m, seq, mask, vocab=vocab)
+        final = preds[m.num_layers]
+        for prefix, found in (("", preds), ("draft_vocab_", vocab_preds)):
+            for exit_layer, pred in found.items():
+                heads[prefix].setdefault(exit_layer, []).append((pred == final).tolist())
+        tokens += int(mask.sum())
+    report: dict = {"tokens": tokens}
+    for prefix, matches in heads.items():
+        report[f"{prefix}agreement"] = {
+            e: sum(map(sum, rows)) / max(tokens, 1) for e, rows in sorted(matches.items())
+        }
+        report[f"{prefix}tokens_per_round"] = {
+            e: replay_rounds(rows) for e, rows in sorted(matches.items()) if e < m.num_layers
+        }
+    return report
 
 
 @torch.no_grad()
@@ -117,9 +157,11 @@ def adapter_generation_report(
 ) -> dict:
     """Per exit E of ``adapters`` (E -> ``ExitAdapter``): top-1 agreement with the final layer on the model's
     own greedy tokens of the raw exit and of the exit through its adapter, both through the drafter's head
-    (the draft vocabulary ``vocab [S]`` when given: argmax within it, as drafting does). This is the greedy
-    draft acceptance per position of self-speculation with that drafter."""
-    raw, adapted, tokens = {e: 0 for e in adapters}, {e: 0 for e in adapters}, 0
+    (the draft vocabulary ``vocab [S]`` when given: argmax within it, as drafting does), and the tokens a
+    round of K drafts yields (``tokens_per_round``, ``fastdecode.acceptance.replay_rounds``). This is the
+    greedy draft acceptance of self-speculation with that drafter."""
+    matches: dict[str, dict[int, list[list[bool]]]] = {"raw": {}, "adapter": {}}
+    tokens = 0
 
     def draft_argmax(hidden: torch.Tensor) -> torch.Tensor:
         if vocab is None:
@@ -138,17 +180,23 @@ def adapter_generation_report(
             hidden = m.run_layers(hidden, done, exit_layer, positions)
             done = exit_layer
             out = adapters[exit_layer](m, hidden, positions)
-            preds[exit_layer] = (draft_argmax(hidden[0, mask]), draft_argmax(out[0, mask]))
+            preds[exit_layer] = {"raw": draft_argmax(hidden[0, mask]), "adapter": draft_argmax(out[0, mask])}
         hidden = m.run_layers(hidden, done, m.num_layers, positions)
         final = m.exit_logits(hidden[0, mask]).argmax(-1)
-        for exit_layer, (r, a) in preds.items():
-            raw[exit_layer] += int((r == final).sum())
-            adapted[exit_layer] += int((a == final).sum())
+        for exit_layer, found in preds.items():
+            for head, pred in found.items():
+                matches[head].setdefault(exit_layer, []).append((pred == final).tolist())
         tokens += int(mask.sum())
     n = max(tokens, 1)
     return {
-        "raw": {e: v / n for e, v in sorted(raw.items())},
-        "adapter": {e: v / n for e, v in sorted(adapted.items())},
+        **{
+            head: {e: sum(map(sum, rows)) / n for e, rows in sorted(found.items())}
+            for head, found in matches.items()
+        },
+        "tokens_per_round": {
+            head: {e: replay_rounds(rows) for e, rows in sorted(found.items())}
+            for head, found in matches.items()
+        },
         "tokens": tokens,
         "head_rows": m.vocab_size if vocab is None else len(vocab),
     }
@@ -198,15 +246,25 @@ def plot_reports(reports: dict[str, dict], path: str) -> None:
 
 
 def exit_report(
-    model, tokenizer, held_out: list[dict], prompts: list[str], max_new_tokens: int, *, max_examples: int
+    model,
+    tokenizer,
+    held_out: list[dict],
+    prompts: list[str],
+    max_new_tokens: int,
+    *,
+    max_examples: int,
+    vocab: torch.Tensor | None = None,
 ) -> dict:
-    """Both measurements for ``model``: ``{"held_out": {...}, "generations": {...}}`` (see module doc)."""
+    """Both measurements for ``model``: ``{"held_out": {...}, "generations": {...}}`` (see module doc); with
+    ``vocab`` (a draft vocabulary) the generations' agreement through its rows too."""
     m = EarlyExitModel(model)
     was_training = model.training
     model.eval()
     report = {
         "held_out": held_out_report(m, held_out, max_examples),
-        "generations": generation_report(m, greedy_generations(model, tokenizer, prompts, max_new_tokens)),
+        "generations": generation_report(
+            m, greedy_generations(model, tokenizer, prompts, max_new_tokens), vocab
+        ),
         "num_layers": m.num_layers,
     }
     model.train(was_training)

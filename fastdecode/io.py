@@ -30,6 +30,12 @@ from fastdecode.errors import (
 log = logging.getLogger(__name__)
 
 
+def cache_dir() -> Path:
+    """The fastdecode cache: ``$FASTDECODE_CACHE`` if set, else ``~/.cache/fastdecode``."""
+    env = os.environ.get("FASTDECODE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fastdecode"
+
+
 @contextlib.contextmanager
 def atomic_path(dest: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``dest``; on success it is renamed onto ``dest`` (file or directory).

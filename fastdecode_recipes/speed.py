@@ -1,8 +1,8 @@
-"""The closing speed line of the self-speculating recipes (``layerskip``, ``exit_adapter``): the lossless
-decoders the cost model expects to pay on the trained checkpoint (``fastdecode.choose.plan_decoding``: prompt
-lookup, chained before the exit or the adapter when that drafter is expected to pay), each against
-autoregressive decoding on a few held-out prompts, greedy, batch 1, timed after a warm-up, side by side; the
-best is named, and a drafter not expected to pay is named as such."""
+"""The closing speed table of the self-speculating recipes (``layerskip``, ``exit_adapter``): every candidate of
+the plan (``fastdecode.choose.plan_decoding``: prompt lookup, chained before the exit or the adapter when that
+drafter is expected to pay) against autoregressive decoding on a few held-out prompts, greedy, batch 1, timed
+after a warm-up, side by side; the drafters not expected to pay are listed with their numbers. Printed as a
+small table and one sentence that names what ``auto`` runs and the machine it was measured on."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from typing import Any
 from fastdecode.choose import Plan
 from fastdecode.data.chat import user_prompt_ids
 from fastdecode.decoding import DecodeConfig, get_decoder
+from fastdecode.machine import machine_label
 from fastdecode.model import EarlyExitModel
+from fastdecode.tokens import eos_ids
 
 log = logging.getLogger(__name__)
 
@@ -31,23 +33,61 @@ def _time(m: EarlyExitModel, name: str, cfg: DecodeConfig, ids: list[list[int]])
     return {"tokens_per_s": tokens / seconds, "tokens": tokens, "acceptance": accepted / max(1, drafted)}
 
 
-def _not_paying(plan: Plan) -> str:
-    parts = []
+def _cell(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def speed_table(result: dict, plan: Plan) -> list[str]:
+    """The table's lines: autoregressive decoding, every candidate of the plan (what ``auto`` runs first),
+    then each drafter not expected to pay (not run)."""
+    lines = [
+        "| decoder | drafter | exit | recorded acceptance | expected | measured | tok/s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| autoregressive | - | - | - | 1.00x | 1.00x | {result['autoregressive']['tokens_per_s']:.1f} |",
+    ]
+    for i, c in enumerate(plan.candidates):
+        timed = result["decoders"][c.name]
+        name = f"{c.name} (auto)" if i == 0 else c.name
+        lines.append(
+            f"| {name} | {c.drafter} | {_cell(c.exit_layer, '{}')} | {_cell(c.acceptance, '{:.2f}')} | "
+            f"{c.expected_speedup:.2f}x | {timed['speedup']:.2f}x | {timed['tokens_per_s']:.1f} |"
+        )
     for item in plan.not_paying:
-        expected = item.get("expected_speedup")
-        detail = item.get("reason") or f"acceptance {item['acceptance']:.2f}, expected {expected:.2f}x"
-        parts.append(f"{item['drafter']} at E={item['exit']} ({detail})")
-    return f"; not expected to pay: {', '.join(parts)}" if parts else ""
+        expected = _cell(item.get("expected_speedup"), "{:.2f}x")
+        lines.append(
+            f"| not run: not expected to pay | {item['drafter']} | {_cell(item.get('exit'), '{}')} | "
+            f"{_cell(item.get('acceptance'), '{:.2f}')} | {expected} | - | - |"
+        )
+    return lines
+
+
+def speed_sentence(result: dict, plan: Plan, prompts: int, machine: str) -> str:
+    best = plan.best
+    timed = result["decoders"][best.name]
+    sentence = (
+        f"auto runs {best.name}: {timed['speedup']:.2f}x our autoregressive decoder "
+        f"({result['autoregressive']['tokens_per_s']:.1f} tok/s) on {prompts} held-out prompts "
+        f"(greedy, batch 1, {machine})"
+    )
+    trained = [item for item in plan.not_paying if item.get("expected_speedup") is not None]
+    if trained:
+        top = max(trained, key=lambda item: item["expected_speedup"])
+        sentence += (
+            f"; no trained drafter is expected to pay on its own yet (best: {top['drafter']} at "
+            f"E={top['exit']}, {top['expected_speedup']:.2f}x expected)"
+        )
+    return sentence + "."
 
 
 def speed_line(m: EarlyExitModel, tokenizer: Any, prompts: list[str], report: Any, plan: Plan) -> dict:
-    """Time every decoder of ``plan`` and autoregressive decoding on the first ``report.speed_prompts``
-    prompts (``report``: a recipe's report config with ``speed_prompts``, ``speed_new_tokens``); print one
-    line, return the numbers (empty without a prompt)."""
+    """Time every candidate of ``plan`` and autoregressive decoding on the first ``report.speed_prompts``
+    prompts (``report``: a recipe's report config with ``speed_prompts``, ``speed_new_tokens``); print the
+    table and its sentence, return the numbers (empty without a prompt)."""
     ids = [user_prompt_ids(tokenizer, p) for p in prompts[: report.speed_prompts]]
     if not ids:
         return {}
-    base = DecodeConfig(max_new_tokens=report.speed_new_tokens, eos_token_id=tokenizer.eos_token_id)
+    eos = sorted(eos_ids(m.hf, tokenizer)) or None
+    base = DecodeConfig(max_new_tokens=report.speed_new_tokens, eos_token_id=eos)
     result: dict[str, Any] = {"autoregressive": _time(m, "autoregressive", base, ids), "decoders": {}}
     ar = result["autoregressive"]["tokens_per_s"]
     for candidate in plan.candidates:
@@ -56,15 +96,9 @@ def speed_line(m: EarlyExitModel, tokenizer: Any, prompts: list[str], report: An
         timed |= {"speedup": timed["tokens_per_s"] / ar, "expected_speedup": candidate.expected_speedup}
         result["decoders"][candidate.name] = timed
     best = max(result["decoders"], key=lambda name: result["decoders"][name]["speedup"])
-    result["best"], result["speedup"] = best, result["decoders"][best]["speedup"]
-    shown = ", ".join(
-        f"{name} {r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x, acceptance {r['acceptance']:.2f})"
-        for name, r in result["decoders"].items()
-    )
-    line = (
-        f"speed on {len(ids)} held-out prompts (greedy, batch 1): autoregressive {ar:.1f} tok/s; {shown}; "
-        f"best: {best} ({result['speedup']:.2f}x){_not_paying(plan)}"
-    )
-    log.info(line)
-    print(line)
+    machine = machine_label(m.device)
+    result |= {"best": best, "speedup": result["decoders"][best]["speedup"], "machine": machine}
+    text = "\n".join([*speed_table(result, plan), speed_sentence(result, plan, len(ids), machine)])
+    log.info("speed on held-out prompts:\n%s", text)
+    print(text)
     return result | {"plan": plan.to_json()}

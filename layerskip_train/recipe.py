@@ -13,6 +13,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from fastdecode.acceptance import AcceptanceRecord, DrafterRecord, read_record, write_record
 from fastdecode.choose import choose_exit, plan_decoding
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
 from fastdecode.cost import decoding_costs
@@ -95,11 +98,11 @@ def _report_set(rcfg: LayerSkipConfig, tokenizer, held_out: list[dict]) -> list[
     return build_datasets(data, tokenizer)[1]
 
 
-def _report(model, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig) -> dict:
+def _report(model, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, vocab=None) -> dict:
     r = rcfg.report
     prompts = [ex["prompt"] for ex in held_out if ex.get("prompt")][: r.prompts]
     return exit_report(
-        model, tokenizer, held_out, prompts, r.max_new_tokens, max_examples=r.held_out_examples
+        model, tokenizer, held_out, prompts, r.max_new_tokens, max_examples=r.held_out_examples, vocab=vocab
     )
 
 
@@ -147,11 +150,12 @@ class LayerSkip(Recipe):
         return _report(model, tokenizer, self.report_set, self.rcfg) if r.enabled and r.before else None
 
     def after_report(self, run: FinetuneRun) -> dict:
-        return _finish(run.final, run.tokenizer, self.report_set, self.rcfg, run.before, run.out, run.stage)
+        vocab = _write_draft_vocab(run.train, run.tokenizer, self.rcfg, run.stage)
+        return _finish(run, self.report_set, self.rcfg, vocab)
 
     def extra_files(self, run: FinetuneRun) -> dict:
-        vocab = _write_draft_vocab(run.train, run.tokenizer, self.rcfg, run.stage, run.out / "final")
-        return {"draft_vocab": vocab}
+        written = (run.stage / DRAFT_VOCAB_FILE).is_file()
+        return {"draft_vocab": str(run.out / "final" / DRAFT_VOCAB_FILE) if written else None}
 
     def describe(self, run: FinetuneRun) -> dict:
         choice = run.summary.get("recommended_exit") or {}
@@ -163,26 +167,41 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
     return finetune(job, cfg, LayerSkip(job)).summary
 
 
-def _speed_line(m: EarlyExitModel, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, agreement, costs):
-    """The closing speed line: the decoders the cost model expects to pay with this checkpoint's recorded
-    acceptance (``fastdecode.choose.plan_decoding``) against autoregressive decoding, on a few held-out
-    prompts."""
-    plan = plan_decoding(m, costs, exit_agreement=agreement)
+def _speed_line(
+    m: EarlyExitModel, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, stage: Path, costs
+):
+    """The closing speed table: the decoders the cost model expects to pay with the acceptance this
+    checkpoint records (``fastdecode.choose.plan_decoding`` on the record in the export's staging directory)
+    against autoregressive decoding, on a few held-out prompts."""
+    plan = plan_decoding(m, costs, record=read_record(stage))
     prompts = [ex["prompt"] for ex in held_out if ex.get("prompt")]
     return speed_line(m, tokenizer, prompts, rcfg.report, plan)
 
 
 def _write_draft_vocab(
-    train: list[dict], tokenizer, rcfg: LayerSkipConfig, stage: Path, final_dir: Path
-) -> str | None:
-    """``draft_vocab.json`` next to the checkpoint (``decoder.draft_vocab=<it>`` makes drafting cheaper),
-    written into the export's staging directory ``stage``; returns its path once published in ``final_dir``."""
+    train: list[dict], tokenizer, rcfg: LayerSkipConfig, stage: Path
+) -> torch.Tensor | None:
+    """``draft_vocab.json`` in the export's staging directory ``stage`` (``decoder.draft_vocab=<it>`` makes
+    drafting cheaper); its ids, or None when the configured size keeps the whole vocabulary."""
     size, vocab = rcfg.draft_vocab_size, len(tokenizer)
     if size is None or size >= vocab:
         return None
     ids = draft_vocab_from_examples(train, tokenizer, size)
     save_draft_vocab(stage / DRAFT_VOCAB_FILE, ids, vocab_size=vocab, source="training data")
-    return str(final_dir / DRAFT_VOCAB_FILE)
+    return torch.as_tensor(ids, dtype=torch.long)
+
+
+def _write_record(stage: Path, generations: dict, prompts: int) -> None:
+    """``acceptance.json`` (``fastdecode/acceptance.py``) in the export's staging directory: per exit, with
+    the full head and with the draft vocabulary, what the after-training report measured."""
+    drafters = []
+    for prefix, vocab_file in (("", None), ("draft_vocab_", DRAFT_VOCAB_FILE)):
+        rounds = generations.get(f"{prefix}tokens_per_round") or {}
+        for exit_layer, value in (generations.get(f"{prefix}agreement") or {}).items():
+            if exit_layer in rounds:  # every exit but the last (the model itself)
+                drafters.append(DrafterRecord("exit", float(value), exit_layer, vocab_file, rounds[exit_layer]))
+    measured_on = f"the model's own greedy answers to {prompts} held-out prompts, after training"
+    write_record(stage, AcceptanceRecord(drafters, measured_on, int(generations.get("tokens", 0))))
 
 
 def _record_exit(final, stage: Path, choice: dict, rcfg: LayerSkipConfig) -> None:
@@ -206,28 +225,32 @@ def _record_exit(final, stage: Path, choice: dict, rcfg: LayerSkipConfig) -> Non
         )
 
 
-def _finish(
-    final, tokenizer, held_out, rcfg: LayerSkipConfig, before: dict | None, out: Path, stage: Path
-) -> dict:
-    """Exit report after training, the recommended exit in generation_config (written into the export's
-    staging directory ``stage``), report JSON + plot."""
-    after = _report(final, tokenizer, held_out, rcfg) if rcfg.report.enabled else None
-    agreement = after["generations"]["agreement"] if after is not None else None
+def _finish(run: FinetuneRun, held_out, rcfg: LayerSkipConfig, vocab: torch.Tensor | None) -> dict:
+    """Exit report after training (per exit, full head and draft vocabulary ``vocab``), the acceptance record
+    and the recommended exit (written into the export's staging directory, so ``final/`` carries them), report
+    JSON + plot in the run directory, the closing speed table."""
+    final, tokenizer, stage, out = run.final, run.tokenizer, run.stage, run.out
+    after = _report(final, tokenizer, held_out, rcfg, vocab) if rcfg.report.enabled else None
+    generations = after["generations"] if after is not None else None
+    agreement = generations["agreement"] if generations is not None else None
     m = EarlyExitModel(final)
     costs = decoding_costs(m) if agreement is not None else None
+    if generations is not None:
+        _write_record(stage, generations, min(rcfg.report.prompts, len(held_out)))
     if rcfg.exit_layer is not None:
         choice = {"exit": rcfg.exit_layer, "source": "config"}
     elif agreement is not None:
-        choice = choose_exit(agreement, costs, max_draft=rcfg.report.max_draft)
+        rounds = generations.get("tokens_per_round")
+        choice = choose_exit(agreement, costs, rounds=rounds, max_draft=rcfg.report.max_draft)
         choice["source"] = "exit report"
     else:
         choice = {"exit": None, "source": "no report"}
     _record_exit(final, stage, choice, rcfg)
-    report = {"before": before, "after": after, "recommended": choice}
+    report = {"before": run.before, "after": after, "recommended": choice}
     if costs is not None:
         report["costs"] = costs.to_json()
-        report["speed"] = _speed_line(m, tokenizer, held_out, rcfg, agreement, costs)
+        report["speed"] = _speed_line(m, tokenizer, held_out, rcfg, stage, costs)
     atomic_write_json(out / "exit_report.json", report)
-    if before and after:
-        plot_reports({"before": before, "after": after}, str(out / "exit_report.png"))
+    if run.before and after:
+        plot_reports({"before": run.before, "after": after}, str(out / "exit_report.png"))
     return {"recommended_exit": choice, "exit_report": str(out / "exit_report.json")}

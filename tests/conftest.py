@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fastdecode.config import group_choices
@@ -37,3 +39,16 @@ def tiny(request):
 @pytest.fixture
 def tiny_llama():
     return tiny_model("tiny-llama")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def cost_store(tmp_path_factory):
+    """Measured costs kept on disk for this test session only (fastdecode/cost_store.py), never in the user's
+    cache: a test measures on this machine as a user would, and no earlier session's numbers leak in."""
+    saved = os.environ.get("FASTDECODE_COSTS")
+    os.environ["FASTDECODE_COSTS"] = str(tmp_path_factory.mktemp("costs"))
+    yield os.environ["FASTDECODE_COSTS"]
+    if saved is None:
+        os.environ.pop("FASTDECODE_COSTS", None)
+    else:
+        os.environ["FASTDECODE_COSTS"] = saved

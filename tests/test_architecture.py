@@ -402,7 +402,7 @@ def test_no_module_over_400_lines_nor_function_over_60():
 def test_the_rules_graph_sees_real_imports():
     """Guards the checker itself: known edges are found (a parser bug would pass every rule vacuously)."""
     assert "fastdecode.cache" in _graph()["fastdecode.model"]
-    assert "fastdecode.decoding.speculative" in _graph()["fastdecode.decoding.self_speculative"]
+    assert "fastdecode.decoding.speculative" in _graph()["fastdecode.decoding.drafters"]
     assert {"fastdecode.decoding", "fastdecode.model"} <= _reach("fastdecode.skipdecode_report")
 
 

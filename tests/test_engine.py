@@ -313,20 +313,22 @@ def test_engine_benchmark_writes_its_report(tmp_path):
 
 # --------------------------------------------------------------------------------------------------------
 # The default draft length (configs/decoder/self_speculative.yaml: draft_tokens: auto)
-def _recorded(tmp_path, acceptance: dict[int, float]) -> dict[int, float] | None:
-    """The acceptance a LayerSkip run records (``run/exit_report.json`` beside ``run/final``), read back."""
-    from fastdecode.checkpoint_info import recorded_acceptance
+def _recorded(tmp_path, acceptance: dict[int, float]):
+    """A job whose checkpoint records ``acceptance`` per exit (``final/acceptance.json``, as LayerSkip writes)."""
+    from types import SimpleNamespace
 
     final = tmp_path / "run" / "final"
     final.mkdir(parents=True)
-    report = {"after": {"generations": {"agreement": {str(k): v for k, v in acceptance.items()}}}}
-    (tmp_path / "run" / "exit_report.json").write_text(json.dumps(report))
-    return recorded_acceptance(final)
+    drafters = [{"drafter": "exit", "exit_layer": k, "acceptance": v} for k, v in acceptance.items()]
+    (final / "acceptance.json").write_text(json.dumps({"format": 1, "drafters": drafters}))
+    return SimpleNamespace(checkpoint=str(final))
 
 
 def test_auto_draft_length_follows_the_recorded_acceptance(tmp_path):
     """Resolved after the model loads, with its measured cost model: a recorded acceptance that pays gives the
     constant K the cost model picks; a poor one or none the adaptive policy; a fixed K is left alone."""
+    from types import SimpleNamespace
+
     from fastdecode.bench.auto import resolve_draft_tokens
     from fastdecode.bench.config import AUTO_DRAFT_CAP, Method, MethodConfig
     from fastdecode.choose import choose_exit
@@ -342,22 +344,22 @@ def test_auto_draft_length_follows_the_recorded_acceptance(tmp_path):
         return Method("s", spec, {"policy": "constant", "draft_tokens": draft_tokens, "exit_layer": 1}, 1)
 
     unrecorded = method("auto")
-    resolve_draft_tokens(unrecorded, m, costs, None)
+    resolve_draft_tokens(unrecorded, SimpleNamespace(checkpoint=None), m, costs)
     assert unrecorded.options == {"policy": "adaptive", "draft_tokens": AUTO_DRAFT_CAP, "exit_layer": 1}
     assert (
         unrecorded.draft_source.startswith("adaptive") and "no acceptance recorded" in unrecorded.draft_source
     )
     good = method("auto")
-    resolve_draft_tokens(good, m, costs, _recorded(tmp_path / "good", {1: 1.0, 2: 0.5}))
+    resolve_draft_tokens(good, _recorded(tmp_path / "good", {1: 1.0, 2: 0.5}), m, costs)
     expected = choose_exit({1: 1.0}, costs, max_draft=AUTO_DRAFT_CAP)  # drafting at E=1 of 4 always agrees
     assert expected["exit"] == 1 and good.options["policy"] == "constant"
     assert good.options["draft_tokens"] == expected["draft"] >= 2
     assert good.draft_source.startswith("cost model (estimated): recorded acceptance 1.00 at E=1")
     poor = method("auto")
-    resolve_draft_tokens(poor, m, costs, _recorded(tmp_path / "poor", {1: 0.05}))
+    resolve_draft_tokens(poor, _recorded(tmp_path / "poor", {1: 0.05}), m, costs)
     assert poor.options["policy"] == "adaptive" and poor.options["draft_tokens"] == AUTO_DRAFT_CAP
     assert "no constant K is expected to pay" in poor.draft_source
     fixed = method(3)
-    resolve_draft_tokens(fixed, m, costs, _recorded(tmp_path / "fixed", {1: 1.0}))
+    resolve_draft_tokens(fixed, _recorded(tmp_path / "fixed", {1: 1.0}), m, costs)
     assert fixed.options["draft_tokens"] == 3 and fixed.options["policy"] == "constant"
     assert fixed.draft_source is None

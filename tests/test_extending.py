@@ -1,9 +1,11 @@
 """The documented ways to extend fastdecode work (docs/ARCHITECTURE.md, "Where to add things"): a model family
-is one registry entry plus a tiny config, a decoder one strategy function registered in ``DECODERS``."""
+is one registry entry plus a tiny config, a decoder one strategy function registered in ``DECODERS``, a
+proposer its module, one line in ``PROPOSERS`` and a decoder config, and ``auto`` plans and chains it."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 
 import pytest
@@ -14,12 +16,24 @@ import fastdecode
 import fastdecode.config
 from fastdecode.bench.config import MethodConfig, check_options
 from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
-from fastdecode.decoding import DECODERS, DecodeConfig, DecodeOutput
+from fastdecode.decoding import (
+    DECODERS,
+    PROPOSERS,
+    DecodeConfig,
+    DecodeOutput,
+    Offer,
+    PlanInputs,
+    ProposerKind,
+)
 from fastdecode.decoding.common import Rows, check, configure_engine, prefill, refuse_draft_model
+from fastdecode.decoding.drafters import Setup
+from fastdecode.decoding.proposers import Proposer, one_hot
+from fastdecode.decoding.speculative import Draft, Round
 from fastdecode.families import FAMILIES, Family
 from fastdecode.loading import load_model
 from fastdecode.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE
+from tests.helpers import lively_model, tiny_model
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -109,3 +123,82 @@ def test_a_decoder_added_the_documented_way_runs_through_the_public_paths(toy_de
     check_options("toy", spec, {"draft_tokens": 3})
     with pytest.raises(ConfigError, match="decoder.toy.options"):
         check_options("toy", spec, {"draft_tokenz": 3})
+
+
+# --------------------------------------------------------------------------------------------------------
+# A proposer: its module (a Proposer and its ProposerKind), one line in PROPOSERS, configs/decoder/<name>.yaml
+class OracleProposer(Proposer):
+    """File 1, the proposer's module: a toy drafter that proposes the target's own greedy continuation
+    (recomputed from the row's whole text, no cache: a test oracle, never fast), deterministic, so any
+    sampling stays lossless (q one-hot). It keeps no cache, so the base class serves a chain."""
+
+    name = "oracle"
+
+    def __init__(self, s: Setup) -> None:
+        self.m, self.prompts, self.cfg, self.costs = s.m, s.prompts, s.cfg, s.costs
+
+    def token_cost(self) -> float:
+        return 0.01  # what the plan prices it at (a real proposer measures itself, fastdecode/cost.py)
+
+    def propose(self, r: Round) -> Draft:
+        drafts = []
+        for row, prompt in enumerate(self.prompts):
+            if r.rows.finished[row] or r.limit <= 0:
+                drafts.append([])
+                continue
+            text = prompt + r.rows.tokens[row]
+            cfg = DecodeConfig(max_new_tokens=r.limit, **REFERENCE)
+            drafts.append(DECODERS["autoregressive"](self.m, [text], cfg).tokens[0])
+        width = max(map(len, drafts))
+        tokens = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long)
+        probs = None if self.cfg.greedy else one_hot(tokens, self.m.vocab_size)
+        return Draft(tokens, probs, [len(d) for d in drafts], sources=[self.name] * len(drafts))
+
+
+def oracle_offers(p: PlanInputs) -> list[Offer]:
+    """What the oracle offers ``auto``: itself, priced with the acceptance the checkpoint records for it."""
+    found = p.record.find("oracle") if p.record is not None else []
+    return [Offer("oracle", {}, d.acceptance, 0.01, tokens_per_round=d.tokens_per_round) for d in found]
+
+
+ORACLE = ProposerKind("oracle", OracleProposer, chainable=True, offers=oracle_offers)
+
+
+@pytest.fixture
+def toy_proposer(tmp_path, monkeypatch):
+    """The oracle added the documented way: the registry line and its decoder config."""
+    monkeypatch.setitem(PROPOSERS, "oracle", ORACLE)  # file 2: one line in fastdecode/decoding/__init__.py
+    configs = tmp_path / "configs"
+    shutil.copytree(fastdecode.config.CONFIG_DIR, configs)
+    (configs / "decoder" / "oracle.yaml").write_text(  # file 3: its decoder config (eval/speed.py)
+        yaml.safe_dump({"oracle": {"engine": "fastdecode", "decoder": "oracle", "options": {"chain": True}}})
+    )
+    monkeypatch.setattr(fastdecode.config, "CONFIG_DIR", configs)
+    return "oracle"
+
+
+def test_a_proposer_added_the_documented_way_is_planned_chained_and_lossless(toy_proposer, tmp_path):
+    model, tokenizer = (
+        lively_model("tiny-llama").hf,
+        tiny_model("tiny-llama")[1],
+    )  # a model that varies its text
+    final = tmp_path / "final"
+    model.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    record = {"format": 1, "drafters": [{"drafter": "oracle", "acceptance": 1.0}]}
+    (final / "acceptance.json").write_text(json.dumps(record))
+    fd = fastdecode.from_pretrained(str(final), device="cpu", dtype="float32")
+    best = fd.plan().best
+    assert best.name == "prompt_lookup+oracle" and best.method == toy_proposer and best.options["chain"]
+    prompts = ["Hello there", "Hi", "What is 2 + 2?"]
+    fast = fd.generate(prompts, max_new_tokens=10)
+    plain = fd.generate(prompts, max_new_tokens=10, method="autoregressive")
+    assert fast.ids == plain.ids and fast.candidate is fd.plan(len(prompts)).best
+    accepted, drafted, _ = fast.output.by_proposer["oracle"]
+    assert accepted == drafted > 0  # an oracle's drafts always land, and it drafted
+    sampled = fd.generate(prompts, max_new_tokens=6, method=toy_proposer, temperature=0.8, chain=False)
+    assert [len(row) for row in sampled.ids] == [6, 6, 6]
+    assert toy_proposer in group_choices("decoder")  # eval/speed.py can select it, and its checks pass
+    node = yaml.safe_load((fastdecode.config.CONFIG_DIR / "decoder" / "oracle.yaml").read_text())
+    spec = to_dataclass(MethodConfig, node[toy_proposer], "decoder.oracle")
+    check_options(toy_proposer, spec, spec.options)

@@ -167,24 +167,88 @@ def test_skipdecode_keeps_to_the_policy_the_checkpoint_was_trained_with(checkpoi
     )
 
 
+def write_acceptance(directory: Path, entries: list[dict]) -> None:
+    """``acceptance.json`` as the LayerSkip recipe writes it into ``final/`` (fastdecode/acceptance.py)."""
+    body = {"format": 1, "measured_on": "test", "tokens": 100, "drafters": entries}
+    (directory / "acceptance.json").write_text(json.dumps(body))
+
+
 def test_the_default_decoder_is_what_the_checkpoint_expects_to_pay(checkpoint_dir, tmp_path):
-    """With an exit report that records high acceptance at E (the LayerSkip recipe writes it), the default
+    """With a record of high acceptance at E (the LayerSkip recipe writes it into ``final/``), the default
     chains prompt lookup before that exit; with a poor one, the exit is named as not paying."""
     import shutil
 
-    for agreement, expected in (({"3": 0.99}, "self_speculative"), ({"3": 0.01}, "prompt_lookup")):
-        run = tmp_path / str(agreement["3"])
-        shutil.copytree(checkpoint_dir, run / "final")
-        report = {"after": {"generations": {"agreement": agreement}}}
-        (run / "exit_report.json").write_text(json.dumps(report))
-        fd = fastdecode.from_pretrained(str(run / "final"), device="cpu", dtype="float32")
+    for acceptance, expected in ((0.99, "self_speculative"), (0.01, "prompt_lookup")):
+        final = tmp_path / str(acceptance) / "final"
+        shutil.copytree(checkpoint_dir, final)
+        write_acceptance(final, [{"drafter": "exit", "exit_layer": 3, "acceptance": acceptance}])
+        fd = fastdecode.from_pretrained(str(final), device="cpu", dtype="float32")
         out = fd.generate("Tell me", max_new_tokens=10)
-        assert out.method == expected
+        assert out.method == expected and out.candidate is fd.plan().best
         assert out.text == fd.generate("Tell me", max_new_tokens=10, method="autoregressive").text
         if expected == "self_speculative":
             assert out.config.chain and out.config.exit_layer == 3 and "exit" in out.output.by_proposer
         else:
             assert fd.plan().not_paying[0]["exit"] == 3
+
+
+def test_auto_runs_exactly_the_drafter_it_priced(checkpoint_dir, tmp_path, monkeypatch):
+    """The checkpoint ships ``draft_vocab.json`` (a default of ``self_speculative``), but the plan priced the
+    exit with the full head: ``auto`` must draft with the full head, and with the draft vocabulary only when
+    that is what the plan priced. Every option the candidate carries is the call's."""
+    import shutil
+
+    import fastdecode.decoding.self_speculative as self_speculative
+
+    seen = []  # the draft head each exit proposer was built with
+    real = self_speculative.ExitProposer
+    monkeypatch.setattr(
+        self_speculative, "ExitProposer", lambda *a, **k: seen.append(k["vocab"]) or real(*a, **k)
+    )
+    for head, vocab in (("full", None), ("draft", "draft_vocab.json")):
+        final = tmp_path / head / "final"
+        shutil.copytree(checkpoint_dir, final)
+        worse = 0.5 if vocab is None else 0.99
+        write_acceptance(
+            final,
+            [
+                {"drafter": "exit", "exit_layer": 3, "acceptance": 0.99 if vocab is None else 0.5},
+                {"drafter": "exit", "exit_layer": 3, "draft_vocab": "draft_vocab.json", "acceptance": worse},
+            ],
+        )
+        fd = fastdecode.from_pretrained(str(final), device="cpu", dtype="float32")
+        out = fd.generate("Tell me", max_new_tokens=10)
+        wanted = None if vocab is None else str(final / vocab)
+        assert out.candidate.options["draft_vocab"] == wanted and (seen[-1] is None) == (vocab is None)
+        for key, value in out.candidate.options.items():
+            assert getattr(out.config, key) == value, key
+
+
+def test_a_checkpoint_carries_its_own_record(checkpoint_dir, tmp_path):
+    """The record is read from the model directory only: an intermediate ``checkpoint-N/`` of the same run
+    does not borrow the final model's, and a damaged one is refused by name before the weights load."""
+    import shutil
+
+    from fastdecode.acceptance import RecordError
+
+    run = tmp_path / "run"
+    shutil.copytree(checkpoint_dir, run / "final")
+    shutil.copytree(checkpoint_dir, run / "checkpoint-5")
+    write_acceptance(run / "final", [{"drafter": "exit", "exit_layer": 3, "acceptance": 0.99}])
+    assert fastdecode.from_pretrained(str(run / "final")).plan().best.method == "self_speculative"
+    assert fastdecode.from_pretrained(str(run / "checkpoint-5")).plan().best.method == "prompt_lookup"
+    (run / "final" / "acceptance.json").write_text('{"format": 1, "drafters": [{"drafter": "exit", "acc')
+    with pytest.raises(RecordError, match=r"acceptance.json is damaged.*record=true"):
+        fastdecode.from_pretrained(str(run / "final"))
+
+
+def test_the_plan_is_kept_per_batch_size_and_engine(fd):
+    """A batch verifies as wide as its longest draft: its costs (and so its plan) are its own."""
+    one, four = fd.plan(1), fd.plan(4)
+    assert one is fd.plan(1) and four is not one and fd.plan(3) is four  # priced at the next power of two
+    assert fd.plan(1, fast_layers=False) is not one
+    out = fd.generate(["Hello there", "Hi", "Hey", "Yo"], max_new_tokens=6)
+    assert out.candidate is four.best
 
 
 def test_every_model_generates_by_default():

@@ -13,11 +13,10 @@ import torch
 
 from fastdecode.config import ConfigError
 from fastdecode.cost import CostModel, block_parameters, estimate_costs, exit_draft_cost
-from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig, LookupOptions
+from fastdecode.decoding import DECODERS, POLICIES, PROPOSERS, DecodeConfig, LookupOptions
 from fastdecode.decoding.lookahead import LookaheadProposer
 from fastdecode.decoding.ngram import ChainProposer, NgramIndex, PromptLookupProposer
 from fastdecode.decoding.proposers import DraftModelProposer, ExitProposer
-from fastdecode.decoding.self_speculative import exit_proposer
 from fastdecode.decoding.speculative import Draft, Settled
 from fastdecode.draft_vocab_file import save_draft_vocab
 from fastdecode.exit_adapter import save_adapter
@@ -106,23 +105,29 @@ def test_every_proposer_reports_its_vocabulary_and_cost(tmp_path):
     prompts = random_prompts(2, seed=1)
     gen = torch.Generator()
     cfg = DecodeConfig(max_new_tokens=8, exit_layer=2, costs="estimated")
-    raw = exit_proposer(m, prompts, cfg, gen)
+    raw = PROPOSERS["self_speculative"].proposer(m, prompts, cfg, gen)
     assert isinstance(raw, ExitProposer) and raw.vocab is None and raw.depth == 2
     assert raw.token_cost() == pytest.approx(costs.draft_token(2))
     # A raw exit with a draft vocabulary file scores those rows only.
     save_draft_vocab(tmp_path / "vocab.json", torch.arange(30), vocab_size=m.vocab_size)
-    sub = exit_proposer(m, prompts, replace(cfg, draft_vocab=str(tmp_path / "vocab.json")), gen)
+    sub = PROPOSERS["self_speculative"].proposer(
+        m, prompts, replace(cfg, draft_vocab=str(tmp_path / "vocab.json")), gen
+    )
     assert sub.vocab.tolist() == list(range(30))
     assert sub.token_cost() == pytest.approx(costs.draft_token(2, head_rows=30))
     # An exit adapter drafts over its own draft vocabulary (not the full head), its weights counted.
     adapter = perturbed_adapter(m, 2, "block")
     path = str(save_adapter(adapter, tmp_path / "E2", m, vocab=torch.arange(5, 45)))
-    through = exit_proposer(m, prompts, replace(cfg, exit_layer=None, adapter=path), gen)
+    through = PROPOSERS["self_speculative"].proposer(
+        m, prompts, replace(cfg, exit_layer=None, adapter=path), gen
+    )
     assert through.name == "adapter" and through.vocab.tolist() == list(range(5, 45))
     expected = exit_draft_cost(costs, m, 2, adapter=through.adapter, vocab=through.vocab)
     assert through.token_cost() == pytest.approx(expected)
     assert expected < costs.draft_token(2, extra_blocks=adapter.num_parameters() / block_parameters(m))
-    chain = exit_proposer(m, prompts, replace(cfg, exit_layer=None, adapter=path, chain=True), gen)
+    chain = PROPOSERS["self_speculative"].proposer(
+        m, prompts, replace(cfg, exit_layer=None, adapter=path, chain=True), gen
+    )
     assert isinstance(chain, ChainProposer) and torch.equal(chain.vocab, through.vocab)
     assert chain.token_cost() == pytest.approx(expected) and chain.name == "prompt_lookup+adapter"
     # A draft model: its own step in the target's unit, by weights read when estimated.
@@ -254,7 +259,7 @@ def test_a_chain_retires_a_fallback_that_does_not_pay_on_the_text():
 def test_the_chain_judges_the_fallback_by_the_cost_model():
     """Retired exactly when the fallback's rows yielded fewer tokens than their rounds cost."""
     m = lively_model("tiny-llama", 0.1)
-    chain = exit_proposer(
+    chain = PROPOSERS["self_speculative"].proposer(
         m,
         random_prompts(1, seed=54),
         DecodeConfig(max_new_tokens=8, exit_layer=1, chain=True, costs="estimated"),

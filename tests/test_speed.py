@@ -372,29 +372,31 @@ def test_auto_without_records_is_prompt_lookup_and_the_run_says_its_size(tmp_pat
     from eval.speed import run
 
     result = run(tiny_speed_cfg(tmp_path, "repeats=1"))  # the default methods: autoregressive, auto, HF
-    assert "3 methods x 3 prompts x 1 repeats = 9 timed calls (+ 5 warm-up calls)" in capsys.readouterr().out
+    assert "4 methods x 3 prompts x 1 repeats = 12 timed calls (+ 6 warm-up calls)" in capsys.readouterr().out
     assert [c["name"] for c in result["plan"]["candidates"]] == ["prompt_lookup"]
     assert result["plan"]["not_paying"] == []  # no checkpoint: no exit to consider
     rows = {row["method"]: row for row in result["summary"]}
-    assert list(rows) == ["autoregressive", "auto:prompt_lookup", "hf_generate"]
+    assert list(rows) == ["autoregressive", "auto", "auto:prompt_lookup", "hf_generate"]
     assert rows["auto:prompt_lookup"]["auto_best"] is True and rows["autoregressive"]["auto_best"] is None
-    assert rows["auto:prompt_lookup"]["match_rate"] == 1.0
+    assert rows["auto:prompt_lookup"]["match_rate"] == 1.0 and rows["auto"]["match_rate"] == 1.0
+    assert rows["auto"]["ran"] == ["prompt_lookup"] and rows["auto"]["vs_best_candidate"] > 0
     assert result["methods"]["auto:prompt_lookup"]["decoder"] == "prompt_lookup"
     assert result["meta"]["costs"]["source"] == "measured" and result["meta"]["costs"]["num_layers"] == 4
     md = (tmp_path / "out" / "speed.md").read_text()
     assert "| auto:prompt_lookup (auto best) |" in md
-    assert "auto planned prompt_lookup (text-dependent)" in md and "not expected to pay: none" in md
+    assert "auto planned prompt_lookup (expected " in md and "not expected to pay: none" in md
+    assert "batch 1 auto ran prompt_lookup: " in md
 
 
 def _checkpoint_with_report(tmp_path, agreement: dict[int, float]):
     """tiny-llama whose layers >= 1 write nothing (exit 1 is the output) exported as ``run/final``, with the
-    exit_report.json a LayerSkip run writes beside it."""
+    acceptance.json a LayerSkip run writes into it."""
     model, tokenizer = lively_model("tiny-llama", zero_from=1).hf, tiny_model("tiny-llama")[1]
     final = tmp_path / "run" / "final"
     model.save_pretrained(final)
     tokenizer.save_pretrained(final)
-    report = {"after": {"generations": {"agreement": {str(k): v for k, v in agreement.items()}}}}
-    (tmp_path / "run" / "exit_report.json").write_text(json.dumps(report))
+    drafters = [{"drafter": "exit", "exit_layer": k, "acceptance": v} for k, v in agreement.items()]
+    (final / "acceptance.json").write_text(json.dumps({"format": 1, "drafters": drafters}))
     return final
 
 
@@ -406,7 +408,10 @@ def test_auto_with_a_recorded_acceptance_runs_the_chain_first(tmp_path, monkeypa
     # The weights' cost model instead of timings, so the choice does not depend on how busy the machine is.
     monkeypatch.setattr(fastdecode.bench.auto, "decoding_costs", estimate_costs)
     final = _checkpoint_with_report(tmp_path, {1: 1.0, 3: 0.2})
-    cfg = tiny_speed_cfg(tmp_path, f"checkpoint={final}", "decoder=[autoregressive,auto]", "hf_baseline=null")
+    estimated = "+decoder.auto.options.costs=estimated"  # the plan's cost model (auto's own option)
+    cfg = tiny_speed_cfg(
+        tmp_path, f"checkpoint={final}", "decoder=[autoregressive,auto]", "hf_baseline=null", estimated
+    )
     result = run(cfg)
     names = [c["name"] for c in result["plan"]["candidates"]]
     assert names == ["prompt_lookup+exit", "prompt_lookup"]
@@ -414,8 +419,9 @@ def test_auto_with_a_recorded_acceptance_runs_the_chain_first(tmp_path, monkeypa
     assert chain["decoder"] == "self_speculative" and chain["candidate"]["expected_speedup"] > 1.05
     assert chain["options"]["chain"] is True and chain["options"]["exit_layer"] == 1
     rows = {row["method"]: row for row in result["summary"]}
-    assert list(rows) == ["autoregressive", "auto:prompt_lookup+exit", "auto:prompt_lookup"]
+    assert list(rows) == ["autoregressive", "auto", "auto:prompt_lookup+exit", "auto:prompt_lookup"]
     assert sum(bool(row["auto_best"]) for row in rows.values()) == 1
+    assert rows["auto"]["ran"] == ["prompt_lookup+exit"] and rows["auto"]["match_rate"] == 1.0
     for name in names:
         assert rows[f"auto:{name}"]["match_rate"] == 1.0
     assert rows["auto:prompt_lookup+exit"]["by_proposer"]  # the chain's acceptance per drafter

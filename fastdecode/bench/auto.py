@@ -1,14 +1,16 @@
 """What the speed benchmark resolves once the target model is loaded, with its measured cost model
-(``fastdecode/cost.py``, ``decoding_costs``: the device's default engine, measured once per model, engine and
-thread count):
+(``fastdecode/cost.py``: the device's default engine, measured once per model, machine, engine, thread count and
+batch size):
 
-- ``draft_tokens: auto`` (``configs/decoder/self_speculative.yaml``): ``choose_exit({E: alpha}, costs)`` with the
-  acceptance alpha at E the checkpoint records (``exit_report.json``; an exit adapter's own recorded agreement
-  when the method drafts through one) gives a constant K when some K is expected to pay; otherwise the
-  adaptive policy with K <= ``AUTO_DRAFT_CAP``. ``Method.draft_source`` says which and why.
-- the ``auto`` method (``configs/decoder/auto.yaml``): ``fastdecode.choose.plan_decoding`` on the model, the
-  checkpoint's recorded acceptance and the job's exit adapter (when one resolves), expanded into one method per
-  candidate, ``auto:<candidate>`` (``auto:prompt_lookup+exit``, ``auto:prompt_lookup``), best expected first.
+- ``draft_tokens: auto`` (``configs/decoder/self_speculative.yaml``): ``choose_exit`` with the acceptance the
+  checkpoint records at the method's exit and head (``acceptance.json``: per token and per draft length; an
+  exit adapter's own record when the method drafts through one) gives a constant K when some K is expected to
+  pay; otherwise the adaptive policy with K <= ``AUTO_DRAFT_CAP``. ``Method.draft_source`` says which and why.
+- the ``auto`` method (``configs/decoder/auto.yaml``): one row that is ``generate(method="auto")`` itself
+  (``fastdecode.api.FastDecoder`` on the loaded model: the plan's first candidate for each batch size, with
+  exactly the options it was priced with), and one row per candidate of the plan, ``auto:<candidate>``
+  (``auto:prompt_lookup``, ``auto:prompt_lookup+exit``), best expected first, so that what ``auto`` chose is
+  measured beside what it could have chosen.
 
 Nothing here runs (and no cost model is measured) when no selected method needs it.
 """
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
+from fastdecode.acceptance import read_record
+from fastdecode.api import FastDecoder
 from fastdecode.bench.config import (
     AUTO,
     AUTO_DRAFT_CAP,
@@ -27,11 +31,10 @@ from fastdecode.bench.config import (
     check_options,
     resolve_adapter_path,
 )
-from fastdecode.checkpoint_info import recorded_acceptance
-from fastdecode.choose import Plan, choose_exit, plan_decoding, recorded_adapter
+from fastdecode.choose import Plan, choose_exit
 from fastdecode.cost import CostModel, decoding_costs, exit_draft_cost
-from fastdecode.draft_vocab_file import load_draft_vocab
-from fastdecode.exit_adapter import load_adapter
+from fastdecode.decoding.draft_vocab import draft_vocab_ids
+from fastdecode.exit_adapter import load_adapter, recorded_adapter
 from fastdecode.model import EarlyExitModel
 
 AUTO_PREFIX = "auto:"  # the names of the auto method's candidates: auto:<candidate.name>
@@ -39,44 +42,51 @@ AUTO_PREFIX = "auto:"  # the names of the auto method's candidates: auto:<candid
 
 @dataclass
 class Resolved:
-    """The methods to run (``auto`` expanded), its plan, and the cost model that decided (None: not needed)."""
+    """The methods to run (``auto``'s candidates added), the plan, the cost model that decided (None: not
+    needed) and the library facade the ``auto`` row calls."""
 
     methods: list[Method]
     plan: Plan | None = None
     costs: CostModel | None = None
+    decoder: FastDecoder | None = None
 
 
-def _recorded(
-    method: Method, m: EarlyExitModel, costs: CostModel, acceptance: dict[int, float] | None
-) -> tuple[float | None, float]:
-    """``(acceptance at the method's exit or None, one drafted token's cost)`` for ``draft_tokens: auto``: an
-    adapter's own recorded agreement and cost, else the checkpoint's acceptance at E and the raw exit's cost
-    (over the draft vocabulary when the method has one)."""
+def _recorded(method: Method, job: SpeedJob, m: EarlyExitModel, costs: CostModel) -> tuple:
+    """``(acceptance, tokens per round by K, one drafted token's cost)`` at the method's drafter for
+    ``draft_tokens: auto``: an adapter's own record, else the checkpoint's record at E with the method's head
+    (its draft vocabulary or the full head). ``(None, {}, 0.0)`` when nothing is recorded there."""
     options, exit_layer = method.options, method.exit_layer
     if options.get("adapter") is not None:
         found = recorded_adapter(options["adapter"])
         adapter, _, vocab = load_adapter(found.path, m)
-        return found.agreement, exit_draft_cost(costs, m, found.exit_layer, adapter=adapter, vocab=vocab)
-    if exit_layer is None:
-        return None, 0.0
-    vocab = None
-    if options.get("draft_vocab") and Path(options["draft_vocab"]).is_file():  # else the decoder names it
-        vocab = load_draft_vocab(options["draft_vocab"])[0]
-    return (acceptance or {}).get(exit_layer), exit_draft_cost(costs, m, exit_layer, vocab=vocab)
+        cost = exit_draft_cost(costs, m, found.exit_layer, adapter=adapter, vocab=vocab)
+        return found.agreement, found.tokens_per_round, cost
+    record = read_record(job.checkpoint)
+    if exit_layer is None or record is None:
+        return None, {}, 0.0
+    vocab = draft_vocab_ids(options.get("draft_vocab"), m)
+    wanted = None if vocab is None else len(vocab)
+    for d in record.find("exit"):
+        head = draft_vocab_ids(record.path_of(d.draft_vocab), m) if d.draft_vocab else None
+        if d.exit_layer == exit_layer and (None if head is None else len(head)) == wanted:
+            return d.acceptance, d.tokens_per_round, exit_draft_cost(costs, m, exit_layer, vocab=vocab)
+    return None, {}, 0.0
 
 
-def resolve_draft_tokens(
-    method: Method, m: EarlyExitModel, costs: CostModel, acceptance: dict[int, float] | None
-) -> None:
+def resolve_draft_tokens(method: Method, job: SpeedJob, m: EarlyExitModel, costs: CostModel) -> None:
     """``draft_tokens: auto`` of ``method`` (see the module docstring): rewrites its options (``policy``,
     ``draft_tokens``) and sets ``draft_source``; a fixed K is left untouched."""
     options, exit_layer = method.options, method.exit_layer
     if options.get("draft_tokens") != AUTO:
         return
-    alpha, token = _recorded(method, m, costs, acceptance)
+    alpha, rounds, token = _recorded(method, job, m, costs)
     if alpha is not None and exit_layer is not None:
         choice = choose_exit(
-            {exit_layer: alpha}, costs, draft_costs={exit_layer: token}, max_draft=AUTO_DRAFT_CAP
+            {exit_layer: alpha},
+            costs,
+            draft_costs={exit_layer: token},
+            rounds={exit_layer: rounds},
+            max_draft=AUTO_DRAFT_CAP,
         )
         if choice["exit"] is not None:
             options.update(policy="constant", draft_tokens=int(choice["draft"]))
@@ -91,54 +101,58 @@ def resolve_draft_tokens(
             f"({costs.source} cost model; best K={best['draft']}, {best['expected_speedup']:.2f}x)"
         )
     else:
-        reason = "no acceptance recorded for this exit"
+        reason = "no acceptance recorded for this exit and head"
     options.update(policy="adaptive", draft_tokens=AUTO_DRAFT_CAP)
     method.draft_source = f"adaptive, K <= {AUTO_DRAFT_CAP} ({reason})"
 
 
 def expand_auto(method: Method, plan: Plan) -> list[Method]:
-    """One method per candidate of ``plan``, named ``auto:<candidate>``, over the ``auto`` method's own options
-    (engine settings, ``costs``); each checked like a configured method."""
-    expanded = []
+    """The ``auto`` method itself, then one method per candidate of ``plan``, named ``auto:<candidate>``, over
+    the ``auto`` method's own options (engine settings, ``costs``); each checked like a configured method."""
+    expanded = [method]
     for candidate in plan.candidates:
         name = f"{AUTO_PREFIX}{candidate.name}"
         options = dict(method.options) | candidate.options
         spec = dataclasses.replace(
             method.spec,
             decoder=candidate.method,
-            uses_adapter="adapter" in candidate.options,
+            uses_adapter=candidate.options.get("adapter") is not None,
             options=options,
             description=candidate.reason,
         )
         check_options(name, spec, options)
-        exit_layer = options.get("exit_layer")
-        if options.get("adapter") is not None:
-            exit_layer = recorded_adapter(options["adapter"]).exit_layer
+        exit_layer = candidate.exit_layer
         expanded.append(Method(name, spec, options, exit_layer, candidate=dataclasses.asdict(candidate)))
     return expanded
 
 
-def resolve_after_load(job: SpeedJob, methods: list[Method], m: EarlyExitModel) -> Resolved:
+def auto_decoder(job: SpeedJob, m: EarlyExitModel, tokenizer: Any) -> FastDecoder:
+    """The library facade ``generate(method="auto")`` runs on, around the loaded model (one wrapper: the
+    engine and the cost model are shared with every other method)."""
+    return FastDecoder(
+        m.hf,
+        tokenizer,
+        directory=None,
+        adapter=resolve_adapter_path(job),
+        record=read_record(job.checkpoint),
+        m=m,
+    )
+
+
+def resolve_after_load(job: SpeedJob, methods: list[Method], m: EarlyExitModel, tokenizer: Any) -> Resolved:
     """``draft_tokens: auto`` and the ``auto`` method of ``methods`` on the loaded target ``m``."""
     auto_k = [x for x in methods if x.options.get("draft_tokens") == AUTO]
     if not auto_k and not any(x.is_auto for x in methods):
         return Resolved(methods)
     costs = decoding_costs(m)
-    acceptance = recorded_acceptance(job.checkpoint)
     for method in auto_k:
-        resolve_draft_tokens(method, m, costs, acceptance)
+        resolve_draft_tokens(method, job, m, costs)
     resolved = Resolved([], costs=costs)
     for method in methods:
         if not method.is_auto:
             resolved.methods.append(method)
             continue
-        if resolved.plan is None:
-            adapter = resolve_adapter_path(job)
-            resolved.plan = plan_decoding(
-                m,
-                costs,
-                exit_agreement=acceptance,
-                adapter=recorded_adapter(adapter) if adapter else None,
-            )
+        resolved.decoder = resolved.decoder or auto_decoder(job, m, tokenizer)
+        resolved.plan = resolved.decoder.plan(1, **method.options)
         resolved.methods += expand_auto(method, resolved.plan)
     return resolved

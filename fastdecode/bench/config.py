@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastdecode.checkpoint_info import checkpoint_model, recommended_exit, recorded_acceptance
+from fastdecode.acceptance import read_record
+from fastdecode.checkpoint_info import checkpoint_model, recommended_exit
 from fastdecode.config import (
     ConfigError,
     ModelConfig,
@@ -50,7 +51,6 @@ JOB_OWNED = ("max_new_tokens", "temperature", "top_k", "top_p", "eos_token_id", 
 HF_OWNED = ("do_sample", "num_beams", "pad_token_id", "min_new_tokens", "max_length")
 AUTO = "auto"  # draft_tokens: auto (K from the cost model), and decoder: auto (the plan's candidates)
 AUTO_DRAFT_CAP = 8  # draft_tokens: auto without a usable recorded acceptance -> the adaptive policy, K <= 8
-PLAN_OWNED = ("exit_layer", "adapter", "chain", "policy", "draft_tokens")  # the plan sets these per candidate
 
 
 @dataclass
@@ -248,6 +248,8 @@ def check_options(name: str, spec: MethodConfig, options: dict) -> None:
         from fastdecode.decoding import DecodeConfig, get_decoder
 
         if spec.decoder == AUTO:
+            from fastdecode.choose import PLAN_OWNED
+
             owned = sorted(set(options) & set(PLAN_OWNED))
             if owned:
                 raise ConfigError(
@@ -334,17 +336,12 @@ def plan(cfg: Any) -> tuple[SpeedJob, list[Method], str]:
 
 def check_auto_records(job: SpeedJob, methods: list[Method], adapter: str | None) -> None:
     """What the ``auto`` method and ``draft_tokens: auto`` will read once the model loads, read now: the
-    checkpoint's ``exit_report.json`` and the adapter's records (a damaged one fails before any load)."""
+    checkpoint's ``acceptance.json`` and the adapter's records (a damaged one fails before any load)."""
     auto_k = any(m.options.get("draft_tokens") == AUTO for m in methods)
     if not auto_k and not any(m.is_auto for m in methods):
         return
-    try:
-        recorded_acceptance(job.checkpoint)
-    except (ValueError, AttributeError) as err:
-        raise ConfigError(
-            f"checkpoint={job.checkpoint}: its exit_report.json is unreadable ({err})."
-        ) from err
+    read_record(job.checkpoint)  # RecordError (a ConfigError) names the file and the fix
     if adapter is not None and any(m.is_auto for m in methods):
-        from fastdecode.choose import recorded_adapter
+        from fastdecode.exit_adapter import recorded_adapter
 
         recorded_adapter(adapter)  # AdapterError (a ConfigError) names what is missing

@@ -66,6 +66,29 @@ class FastdecodeRunner:
         return self.decode(self.m, prompts, cfg, draft=self.draft)
 
 
+class AutoRunner:
+    """``generate(method="auto")`` of the library facade (``fastdecode.api.FastDecoder``) on the token ids:
+    the plan's first candidate for the batch's size, with the options it was priced with."""
+
+    def __init__(self, method: Method, decoder, job: SpeedJob, m: EarlyExitModel) -> None:
+        self.decoder, self.m = decoder, m
+        self.options = dict(method.options) | {"top_k": job.top_k, "top_p": job.top_p}
+        self.counters = True
+        self.ran: set[str] = set()  # the candidates it ran
+
+    def check(self, prompts: list[list[int]]) -> None:
+        check(DecodeConfig(max_new_tokens=1), self.m, prompts)
+
+    def __call__(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int
+    ) -> DecodeOutput:
+        result = self.decoder.generate(
+            prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, **self.options
+        )
+        self.ran.add(result.candidate.name)
+        return result.output
+
+
 @contextlib.contextmanager
 def swapped_generation_config(models: list[nn.Module], config) -> Iterator[None]:
     """Give every model in ``models`` the generation config ``config`` for the duration of the block."""

@@ -121,24 +121,27 @@ def _fmt(value: Any, spec: str | None) -> str:
     return spec.format(value) if spec else str(value)
 
 
-def _expected(candidate: dict) -> str:
-    value = candidate.get("expected_speedup")
-    return f"expected {value:.2f}x" if value is not None else "text-dependent"
-
-
 def auto_line(result: dict) -> str | None:
-    """One line: the ``auto`` method's plan (expected speedups), the best measured candidate per temperature
-    and batch size, and the drafters not expected to pay (``Plan.not_paying``); None without ``auto``."""
+    """One line: the ``auto`` method's plan (expected speedups), what the ``auto`` row ran and how it fared
+    against the best measured candidate per temperature and batch size, and the drafters not expected to pay
+    (``Plan.not_paying``); None without ``auto``."""
     plan = result.get("plan")
     if not plan:
         return None
-    planned = ", ".join(f"{c['name']} ({_expected(c)})" for c in plan["candidates"])
-    best = [
-        f"{row['method']} at T={row['temperature']}, batch {row['batch_size']} "
-        f"({_fmt(row.get('speedup_vs_baseline'), '{:.2f}x')} vs baseline)"
-        for row in result["summary"]
-        if row.get("auto_best")
-    ]
+    planned = ", ".join(f"{c['name']} (expected {c['expected_speedup']:.2f}x)" for c in plan["candidates"])
+    best = {
+        (row["temperature"], row["batch_size"]): row for row in result["summary"] if row.get("auto_best")
+    }
+    ran = []
+    for row in result["summary"]:
+        top = best.get((row["temperature"], row["batch_size"]))
+        if "vs_best_candidate" not in row or top is None:
+            continue
+        ran.append(
+            f"at T={row['temperature']}, batch {row['batch_size']} auto ran {', '.join(row.get('ran') or [])}: "
+            f"{row['vs_best_candidate']:.3f}x the best candidate ({top['method']}, "
+            f"{_fmt(top.get('speedup_vs_baseline'), '{:.2f}x')} vs baseline)"
+        )
     skipped = []
     for item in plan["not_paying"]:
         detail = item.get("reason")
@@ -146,8 +149,8 @@ def auto_line(result: dict) -> str | None:
             detail = f"acceptance {item['acceptance']:.2f}, expected {item['expected_speedup']:.2f}x"
         skipped.append(f"{item['drafter']} at E={item['exit']} ({detail})")
     return (
-        f"auto planned {planned}; measured best: {'; '.join(best) or '-'}; not expected to pay: "
-        f"{', '.join(skipped) or 'none considered'}."
+        f"auto planned {planned}; {'; '.join(ran) or 'auto not measured'}; not expected to pay: "
+        f"{', '.join(skipped) or 'none'}."
     )
 
 

@@ -28,7 +28,7 @@ from fastdecode.bench.config import (
     plan,
     target_model_config,
 )
-from fastdecode.bench.engines import FastdecodeRunner, HFRunner
+from fastdecode.bench.engines import AutoRunner, FastdecodeRunner, HFRunner
 from fastdecode.bench.stats import Record, attach_matches, oracle_report, summarise
 from fastdecode.config import ConfigError
 from fastdecode.data.sources import load_records
@@ -86,9 +86,10 @@ def tokenize_prompts(
 
 
 def build_runners(
-    job: SpeedJob, methods: list[Method], m: EarlyExitModel, tokenizer, draft
+    job: SpeedJob, methods: list[Method], m: EarlyExitModel, tokenizer, draft, *, auto=None
 ) -> dict[str, Any]:
-    """One runner per method, checked against the loaded model ``m`` before any decoding."""
+    """One runner per method, checked against the loaded model ``m`` before any decoding; the ``auto`` method
+    calls ``auto`` (the library facade, ``generate(method="auto")``)."""
     model = m.hf
     eos = eos_ids(model, tokenizer)
     draft_m = EarlyExitModel(draft) if draft is not None else None
@@ -99,7 +100,9 @@ def build_runners(
             from fastdecode.exit_adapter import load_adapter
 
             load_adapter(method.options["adapter"], m, tokenizer)
-        if method.spec.engine == "fastdecode":
+        if method.is_auto:
+            runners[method.name] = AutoRunner(method, auto, job, m)
+        elif method.spec.engine == "fastdecode":
             runners[method.name] = FastdecodeRunner(method, m, draft_m, job, eos)
         else:
             runners[method.name] = HFRunner(method, model, draft, job, eos, pad)
@@ -109,7 +112,8 @@ def build_runners(
 def annotate(summary: list[dict], methods: list[Method], runners: dict, hf_layers: dict) -> None:
     """Add to each summary row its exit layer, sweep grid point, the layer counts of HF methods, and for the
     ``auto`` method's candidates the speedup the plan expected and ``auto_best`` (the best measured candidate
-    per temperature and batch size; None on other methods)."""
+    per temperature and batch size; None on other methods); the ``auto`` row gets ``vs_best_candidate``
+    (its tokens/s over the best candidate's) and ``ran`` (the candidates it ran)."""
     by_name = {m.name: m for m in methods}
     for row in summary:
         method = by_name[row["method"]]
@@ -123,16 +127,17 @@ def annotate(summary: list[dict], methods: list[Method], runners: dict, hf_layer
             )
         row["expected_speedup"] = (method.candidate or {}).get("expected_speedup")
         row["auto_best"] = None
+        if method.is_auto:
+            row["ran"] = sorted(runners[method.name].ran)
     for temperature, size in dict.fromkeys((r["temperature"], r["batch_size"]) for r in summary):
-        auto = [
-            r
-            for r in summary
-            if r["method"].startswith(AUTO_PREFIX)
-            and (r["temperature"], r["batch_size"]) == (temperature, size)
-        ]
+        same = [r for r in summary if (r["temperature"], r["batch_size"]) == (temperature, size)]
+        auto = [r for r in same if r["method"].startswith(AUTO_PREFIX)]
         best = max(auto, key=lambda r: r["tokens_per_s"] or 0.0, default=None)
         for row in auto:
             row["auto_best"] = row is best
+        for row in same:
+            if by_name[row["method"]].is_auto and best is not None and best["tokens_per_s"]:
+                row["vs_best_candidate"] = (row["tokens_per_s"] or 0.0) / best["tokens_per_s"]
 
 
 def load_and_resolve(job: SpeedJob, methods: list[Method]):
@@ -147,7 +152,7 @@ def load_and_resolve(job: SpeedJob, methods: list[Method]):
     if any(m.spec.uses_draft for m in methods):
         draft = load_model(draft_model_config(job))[0]
     m = EarlyExitModel(model)
-    resolved = resolve_after_load(job, methods, m)
+    resolved = resolve_after_load(job, methods, m, tokenizer)
     check_exit_layers(resolved.methods, m.num_layers)
     return m, tokenizer, draft, resolved
 
@@ -163,7 +168,7 @@ def run(cfg: Any) -> dict:
     check_writable(job.output_dir)  # a read-only output_dir fails here too, not after the benchmark
     m, tokenizer, draft, resolved = load_and_resolve(job, methods)
     methods = resolved.methods
-    runners = build_runners(job, methods, m, tokenizer, draft)
+    runners = build_runners(job, methods, m, tokenizer, draft, auto=resolved.decoder)
     prompts = tokenize_prompts(job, records, tokenizer, m.config.max_position_embeddings)
     for runner in runners.values():
         runner.check([ids for _, ids in prompts])

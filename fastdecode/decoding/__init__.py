@@ -4,6 +4,9 @@ Every strategy has the same signature, so callers (eval, benchmarks) pick one by
 
     out = get_decoder("self_speculative")(m, prompts, DecodeConfig(max_new_tokens=64, exit_layer=8))
 
+``PROPOSERS`` holds the kinds of draft the speculative loop verifies (``drafters.ProposerKind``: a new drafter
+is one line there), ``DECODERS`` every strategy by name, the kinds' included; ``get_decoder`` finds both.
+
 ``m`` is an ``EarlyExitModel``; ``prompts`` a list of token-id lists (any lengths, batched with left
 padding); ``draft`` a separate drafter model for two-model strategies (None for the others). Options of one
 decoder are nested in ``DecodeConfig`` under its name: ``DecodeConfig(..., jacobi=JacobiOptions(block=8))``.
@@ -24,6 +27,7 @@ from fastdecode.decoding import (
     skipdecode,
 )
 from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, prefill
+from fastdecode.decoding.drafters import Offer, PlanInputs, ProposerKind
 from fastdecode.decoding.options import JacobiOptions, LookupOptions, SkipOptions
 from fastdecode.decoding.policies import POLICIES, DraftPolicy
 from fastdecode.model import EarlyExitModel
@@ -39,26 +43,46 @@ class Decoder(Protocol):
     ) -> DecodeOutput: ...
 
 
+# The kinds of draft the one speculative loop verifies (fastdecode/decoding/drafters.py): each is a decoder of
+# its name, and ``auto`` (fastdecode/choose.py) plans with the ones that make offers.
+PROPOSERS: dict[str, ProposerKind] = {
+    "self_speculative": self_speculative.KIND,
+    "assisted": assisted.KIND,
+    "prompt_lookup": prompt_lookup.KIND,
+    "lookahead": lookahead.KIND,
+}
+
+# Every decoding strategy by name: the ones that are not speculation, one per module, then each proposer kind.
 DECODERS: dict[str, Decoder] = {
     "autoregressive": autoregressive.generate,
-    "assisted": assisted.generate,
-    "self_speculative": self_speculative.generate,
-    "prompt_lookup": prompt_lookup.generate,
-    "lookahead": lookahead.generate,
     "skipdecode": skipdecode.generate,
     "jacobi": jacobi.generate,
+    **{name: kind.generate for name, kind in PROPOSERS.items()},
 }
 
 
+def decoder_names() -> list[str]:
+    """Every decoder a method may name: the strategies and the proposer kinds."""
+    return list(dict.fromkeys([*DECODERS, *PROPOSERS]))
+
+
 def get_decoder(name: str) -> Decoder:
-    """The strategy registered as ``name``; an unknown name raises a ConfigError listing the choices."""
-    if name not in DECODERS:
-        raise unknown_name_error("decoder", name, list(DECODERS), "(fastdecode.decoding.DECODERS)")
-    return DECODERS[name]
+    """The strategy or proposer kind registered as ``name``; an unknown name (or not a string) raises a
+    ConfigError listing the choices."""
+    if isinstance(name, str) and name in DECODERS:
+        return DECODERS[name]
+    if isinstance(name, str) and name in PROPOSERS:  # a kind registered after import
+        return PROPOSERS[name].generate
+    raise unknown_name_error("decoder", str(name), decoder_names(), "(fastdecode.decoding)")
 
 
 __all__ = [
     "DECODERS",
+    "PROPOSERS",
+    "Offer",
+    "PlanInputs",
+    "ProposerKind",
+    "decoder_names",
     "POLICIES",
     "DecodeConfig",
     "DecodeOutput",

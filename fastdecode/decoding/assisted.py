@@ -23,22 +23,20 @@ head). With ``decoder.chain=true`` rows draft by prompt lookup where their text 
 
 from __future__ import annotations
 
-import torch
-
 from fastdecode.config import ConfigError
 from fastdecode.cost import cost_model
-from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, configure_engine, new_generator
+from fastdecode.decoding.common import DecodeConfig
 from fastdecode.decoding.draft_vocab import draft_vocab_ids
-from fastdecode.decoding.ngram import ChainProposer, PromptLookupProposer
+from fastdecode.decoding.drafters import ProposerKind, Setup
 from fastdecode.decoding.proposers import DraftModelProposer
-from fastdecode.decoding.speculative import speculate
 from fastdecode.model import EarlyExitModel
 
 
 def check_draft(
-    m: EarlyExitModel, draft: EarlyExitModel | None, cfg: DecodeConfig, prompts: list[list[int]]
+    m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft: EarlyExitModel | None
 ) -> None:
-    """Refuse a missing or incompatible draft model (and an exit layer) before any work is done."""
+    """Refuse a missing or incompatible draft model (and an exit layer, a draft vocabulary that does not
+    fit it) before any work is done."""
     if draft is None:
         raise ConfigError(
             "decoder 'assisted' needs a draft model: pass draft=<EarlyExitModel> (a smaller model with the "
@@ -67,28 +65,21 @@ def check_draft(
             f"is {context} and max_new_tokens={cfg.max_new_tokens}: prompts may have at most "
             f"{context - cfg.max_new_tokens} tokens; shorten the prompt or lower max_new_tokens."
         )
+    draft_vocab_ids(cfg.draft_vocab, draft)  # a draft vocabulary that does not fit the draft model
 
 
-@torch.inference_mode()
-def generate(
-    m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft: EarlyExitModel | None = None
-) -> DecodeOutput:
-    """Speculative decoding of ``prompts`` on the target ``m``, drafting with the separate model ``draft``."""
-    check_draft(m, draft, cfg, prompts)
-    check(cfg, m, prompts)
-    configure_engine(m, cfg)  # the execution engines this call decodes on (the check changes nothing)
-    configure_engine(draft, cfg)
-    generator = new_generator(cfg, m.device)
-    proposer = DraftModelProposer(
-        draft,
-        cfg,
-        generator,
-        costs=cost_model(m, cfg.costs),
-        draft_costs=cost_model(draft, cfg.costs),
-        vocab=draft_vocab_ids(cfg.draft_vocab, draft),  # None unless decoder.draft_vocab names a subset
-        target=m,
+def build(s: Setup) -> DraftModelProposer:
+    """The draft model's proposer, priced by both models' cost models at the call's batch size."""
+    return DraftModelProposer(
+        s.draft,
+        s.cfg,
+        s.generator,
+        costs=s.costs,
+        draft_costs=cost_model(s.draft, s.cfg.costs, batch=len(s.prompts)),
+        vocab=draft_vocab_ids(s.cfg.draft_vocab, s.draft),  # None unless decoder.draft_vocab names a subset
+        target=s.m,
     )
-    if cfg.chain:
-        lookup = PromptLookupProposer(prompts, cfg, proposer.costs, m.vocab_size)
-        proposer = ChainProposer(lookup, proposer, judge_after=cfg.lookup.fallback_trial)
-    return speculate(m, prompts, cfg, proposer, generator=generator)
+
+
+KIND = ProposerKind("assisted", build, check=check_draft, chainable=True, uses_draft_model=True)
+generate = KIND.generate

@@ -22,10 +22,9 @@ Drafts are deterministic (q one-hot): sampling stays lossless.
 
 from __future__ import annotations
 
-import torch
-
-from fastdecode.decoding.common import DecodeConfig, DecodeOutput
-from fastdecode.decoding.ngram import PromptLookupProposer, generate_from_text
+from fastdecode.decoding.common import DecodeConfig
+from fastdecode.decoding.drafters import ProposerKind, Setup
+from fastdecode.decoding.ngram import PromptLookupProposer, refuse_exit_layer
 from fastdecode.decoding.proposers import one_hot
 from fastdecode.decoding.speculative import Draft, Round, Verdict
 from fastdecode.model import EarlyExitModel
@@ -67,9 +66,13 @@ class LookaheadProposer(PromptLookupProposer):
                 pool[trajectory[i]] = trajectory[i + 1 : i + 1 + width]
 
 
-@torch.inference_mode()
-def generate(
-    m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft: EarlyExitModel | None = None
-) -> DecodeOutput:
-    """Lookahead decoding of ``prompts``; output equals ``autoregressive`` (greedy), or its distribution."""
-    return generate_from_text(m, prompts, cfg, draft, name="lookahead", proposer=LookaheadProposer)
+def check_lookahead(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=None) -> None:
+    refuse_exit_layer("lookahead", cfg)
+
+
+def build(s: Setup) -> LookaheadProposer:
+    return LookaheadProposer(s.prompts, s.cfg, s.costs, s.m.vocab_size)
+
+
+KIND = ProposerKind("lookahead", build, check=check_lookahead)
+generate = KIND.generate

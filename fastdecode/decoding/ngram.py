@@ -10,10 +10,12 @@
   proposer's token-by-token draft.
 
 How long a lookup draft is: the policy's limit (``decoder.draft_tokens``), and with a cost-aware policy
-(``adaptive``) the length the cost model expects to pay best (``fastdecode.cost.best_draft_length``), from the
-acceptance this proposer has seen so far per match length n and draft position, starting from ``PRIOR``: a
-1-token match is weak evidence (its first token lands about one time in five), a 3-token match strong. On this kind of CPU a verification over 4+ tokens costs far more than one over 2-3 (docs/BENCHMARKS.md):
-the cost-aware length sees that.
+(``adaptive``) the width the cost model expects to pay best for the batch (``PromptLookupProposer.cut``: a
+verification is as wide as the batch's longest draft, so every row is cut at one width), from the acceptance
+this proposer has seen so far per match length n and draft position, starting from ``PRIOR``: a 1-token match
+is weak evidence (its first token lands about one time in five), a 3-token match strong. On this kind of CPU a
+verification over 4+ tokens costs far more than one over 2-3 (docs/BENCHMARKS.md): the cost-aware width sees
+that.
 
 Drafts are deterministic, so their q is a one-hot: sampling stays lossless (``speculative.accept``).
 """
@@ -23,18 +25,10 @@ from __future__ import annotations
 import torch
 
 from fastdecode.config import ConfigError
-from fastdecode.cost import CostModel, best_draft_length, cost_model
-from fastdecode.decoding.common import (
-    DecodeConfig,
-    DecodeOutput,
-    check,
-    configure_engine,
-    new_generator,
-    refuse_draft_model,
-)
-from fastdecode.decoding.proposers import ModelProposer, Proposer, one_hot
-from fastdecode.decoding.speculative import Draft, Round, Verdict, speculate
-from fastdecode.model import EarlyExitModel
+from fastdecode.cost import CostModel, expected_tokens
+from fastdecode.decoding.common import DecodeConfig
+from fastdecode.decoding.proposers import Proposer, one_hot
+from fastdecode.decoding.speculative import Draft, Round, Verdict
 
 
 class NgramIndex:
@@ -119,19 +113,37 @@ class PromptLookupProposer(Proposer):
         return index
 
     def _row(self, r: Round, row: int) -> tuple[list[int], int]:
+        """The row's lookup: at most ``r.limit`` tokens, cut after an EOS; ``([], 0)`` when not decoding."""
         if r.rows.finished[row] or r.limit <= 0:
             return [], 0
         found, n = self._sync(row, r.rows.tokens[row]).lookup(self.options.min_ngram_size, r.limit)
         found = found[: next((i + 1 for i, t in enumerate(found) if t in self.cfg.eos_ids), len(found))]
-        if found and self.policy.cost_aware:
-            k, _ = best_draft_length(self.costs, self.stats.estimate(n, len(found)), 0.0, 0)
-            found = found[:k]
         return found, n if found else 0
 
+    def cut(self, found: list[tuple[list[int], int]]) -> int:
+        """The draft width where the batch's expected tokens per cost is highest: a verification is as wide
+        as the longest draft, so every row's draft is cut at one width W. Expected tokens per row from the
+        acceptance seen so far (``AcceptanceStats``), cost from the cost model at this batch size."""
+        rows = [self.stats.estimate(n, len(tokens)) for tokens, n in found if tokens]
+        if not rows:
+            return 0
+        plain = len(found)  # a plain step: one token per decoding row
+        best, best_rate = 0, plain / self.costs.verify(1)
+        for width in range(1, max(len(row) for row in rows) + 1):
+            tokens = plain + sum(expected_tokens(row[:width]) - 1 for row in rows)
+            rate = tokens / self.costs.verify(width + 1)
+            if rate > best_rate:
+                best, best_rate = width, rate
+        return best
+
     def lookup(self, r: Round) -> list[list[int]]:
-        """Per row the tokens to draft: cut after an EOS, at the limit and, with a cost-aware policy, where
-        the cost model expects the most tokens per cost. Rows that no longer decode draft nothing."""
+        """Per row the tokens to draft: cut after an EOS, at the limit and, with a cost-aware policy, at the
+        width the cost model expects to pay best for the batch (``cut``). Rows that no longer decode draft
+        nothing."""
         found = [self._row(r, row) for row in range(len(r.rows.tokens))]
+        if self.policy.cost_aware:
+            width = self.cut([item for row, item in enumerate(found) if not r.rows.finished[row]])
+            found = [(tokens[:width], n if tokens[:width] else 0) for tokens, n in found]
         self.lengths = [len(tokens) for tokens, _ in found]
         self.matched = [n for _, n in found]
         return [tokens for tokens, _ in found]
@@ -143,8 +155,11 @@ class PromptLookupProposer(Proposer):
         return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(drafts), k)
 
     def propose(self, r: Round) -> Draft:
-        drafts = self.lookup(r)
-        tokens = self.pad(drafts, r.last.device)
+        return self.propose_found(self.lookup(r), r.last.device)
+
+    def propose_found(self, drafts: list[list[int]], device: torch.device) -> Draft:
+        """The draft of the rows' lookups ``drafts`` (deterministic: q one-hot when sampling)."""
+        tokens = self.pad(drafts, device)
         probs = None if self.cfg.greedy else one_hot(tokens, self.vocab_size)
         return Draft(tokens, probs, [len(d) for d in drafts], sources=[self.name] * len(drafts))
 
@@ -159,22 +174,26 @@ class PromptLookupProposer(Proposer):
 
 
 class ChainProposer(Proposer):
-    """Prompt lookup first, per row; ``fallback`` (a model proposer) where the lookup finds nothing.
+    """Prompt lookup first, per row; ``fallback`` (any chainable proposer: the exit, the exit adapter, a draft
+    model, ``drafters.ProposerKind.chainable``) where the lookup finds nothing.
 
     The fallback drafts only while it pays on this call's text: once it has drafted ``judge_after`` row-rounds
     and the tokens those rounds yielded (accepted + the verifier's own) fall short of the plain decoding steps
-    they cost (``round_cost``, ``fastdecode/cost.py``), it is retired for the rest of the call; rows the
-    lookup does not match then take a plain step (their last token only, through the drafter's layers so
-    its cache stays complete). A recorded acceptance measured on other text can overstate it (a drafter
-    trained on chat, asked to rewrite code): this is where the plan meets the text. ``judge_after=0``: never.
+    they cost (``round_cost``, ``fastdecode/cost.py``; a plain step is what prompt lookup alone takes there),
+    it is retired for the rest of the call. Rows the lookup does not match then take a plain step: through the
+    drafter's layers when they are the target's own (self-speculation: that is part of the verification),
+    without the fallback at all when it keeps a cache of its own (a separate draft model stops running). A
+    recorded acceptance measured on other text can overstate it (a drafter trained on chat, asked to rewrite
+    code): this is where the plan meets the text. ``judge_after=0``: never retired.
+
+    The draft-length policy learns from the fallback's own rows only (``feedback``): a lookup draft's
+    acceptance says nothing about the fallback's confidence.
     """
 
-    def __init__(
-        self, lookup: PromptLookupProposer, fallback: ModelProposer, *, judge_after: int = 16
-    ) -> None:
+    def __init__(self, lookup: PromptLookupProposer, fallback: Proposer, *, judge_after: int = 16) -> None:
         self.lookup, self.fallback = lookup, fallback
         self.name = f"prompt_lookup+{fallback.name}"
-        self.costs, self.depth, self.vocab = fallback.costs, fallback.depth, fallback.vocab
+        self.costs, self.vocab = fallback.costs, fallback.vocab
         self.judge_after = judge_after
         self.retired = False
         self.judged, self.gained, self.spent = 0, 0.0, 0.0  # the fallback's row-rounds, tokens, steps
@@ -189,7 +208,7 @@ class ChainProposer(Proposer):
         return self.fallback.round_cost(drafted)
 
     def caches(self):
-        return self.fallback.caches()
+        return [] if self.retired else self.fallback.caches()
 
     def propose(self, r: Round) -> Draft:
         self.lookup.policy = self.fallback.policy = self.policy
@@ -197,15 +216,22 @@ class ChainProposer(Proposer):
         lengths = [len(d) for d in drafts]
         live = r.active.tolist()
         matched = [bool(n) for n, on in zip(lengths, live, strict=True) if on]
-        if self.retired or (
-            matched and all(matched)
-        ):  # every decoding row matched: one forward through the drafter's layers
+        if self.retired and self.fallback.caches():  # a retired separate drafter: prompt lookup alone
+            return self.lookup.propose_found(drafts, r.last.device)
+        if self.retired or (matched and all(matched)):  # one forward through the drafter's layers
             return self.fallback.absorb(r, self.lookup.pad(drafts, r.last.device), lengths, self.lookup.name)
         if not any(matched):
             draft = self.fallback.draft(r)
             draft.sources = [self.fallback.name] * len(lengths)
             return draft
         return self.fallback.draft(r, forced=(self.lookup.pad(drafts, r.last.device), lengths))
+
+    def feedback(self, done) -> tuple[list[int | None], list[int | None]]:
+        mine = [source == self.fallback.name for source in done.sources]
+        return (
+            [a if own else None for a, own in zip(done.accepted, mine, strict=True)],
+            [d if own else None for d, own in zip(done.lengths, mine, strict=True)],
+        )
 
     def update(self, r: Round, draft: Draft, verdict: Verdict, done) -> None:
         self.lookup.learn(done)
@@ -225,26 +251,10 @@ class ChainProposer(Proposer):
             self.fallback.retire()
 
 
-def generate_from_text(
-    m: EarlyExitModel,
-    prompts: list[list[int]],
-    cfg: DecodeConfig,
-    draft: EarlyExitModel | None = None,
-    *,
-    name: str,
-    proposer: type[PromptLookupProposer],
-    hint: str = "",
-) -> DecodeOutput:
-    """What the decoders that draft from the text a row holds share (``prompt_lookup``, ``lookahead``): the
-    checks (no draft model, no exit layer: the whole model verifies; ``hint`` follows that error), the engine,
-    then the speculative loop over a ``proposer`` (a ``PromptLookupProposer`` class) of the prompts."""
-    check(cfg, m, prompts)
-    refuse_draft_model(name, draft)
+def refuse_exit_layer(name: str, cfg: DecodeConfig, hint: str = "") -> None:
+    """The decoders that draft from a row's text verify with the whole model: no exit layer."""
     if cfg.exit_layer is not None:
         raise ConfigError(
             f"decoder '{name}' verifies with the whole model: set decoder.exit_layer=null (got "
             f"{cfg.exit_layer}){hint}."
         )
-    configure_engine(m, cfg)  # the execution engine this call decodes on (the checks above change nothing)
-    drafter = proposer(prompts, cfg, cost_model(m, cfg.costs), m.vocab_size)
-    return speculate(m, prompts, cfg, drafter, generator=new_generator(cfg, m.device))

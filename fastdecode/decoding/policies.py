@@ -43,7 +43,8 @@ class DraftPolicy:
         return self.k
 
     def begin(self) -> None:
-        """Called before each draft; dynamic policies reset their per-draft state here."""
+        """Called before each round's draft (whoever drafts it); dynamic policies reset their per-draft state
+        here, so ``update`` never books a round against an earlier draft's confidences."""
 
     def keep_drafting(self, confidence: torch.Tensor, active: torch.Tensor) -> torch.Tensor | None:
         """``confidence [B]``: drafter probability of the token just drafted, ``active [B]`` bool: rows still
@@ -66,7 +67,10 @@ class Heuristic(DraftPolicy):
     """
 
     def update(self, accepted: list[int | None], drafted: list[int | None]) -> None:
-        if all(a == d for a, d in zip(accepted, drafted, strict=True) if a is not None):
+        rows = [(a, d) for a, d in zip(accepted, drafted, strict=True) if a is not None]
+        if not rows:  # nothing of this proposer's was verified (a chain's round drafted by the lookup)
+            return
+        if all(a == d for a, d in rows):
             self.k += 2
         else:
             self.k = max(1, self.k - 1)

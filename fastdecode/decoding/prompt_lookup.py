@@ -10,22 +10,24 @@ batches of any size decode, each row with its own draft length.
 
 from __future__ import annotations
 
-import torch
-
-from fastdecode.decoding.common import DecodeConfig, DecodeOutput
-from fastdecode.decoding.ngram import PromptLookupProposer, generate_from_text
+from fastdecode.decoding.common import DecodeConfig
+from fastdecode.decoding.drafters import ProposerKind, Setup
+from fastdecode.decoding.ngram import PromptLookupProposer, refuse_exit_layer
 from fastdecode.model import EarlyExitModel
 
+HINT = (
+    ", or use 'self_speculative' with decoder.chain=true to draft through an exit where the lookup finds "
+    "nothing"
+)
 
-@torch.inference_mode()
-def generate(
-    m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft: EarlyExitModel | None = None
-) -> DecodeOutput:
-    """Prompt lookup decoding of ``prompts``; output equals ``autoregressive`` (greedy), or its distribution."""
-    hint = (
-        ", or use 'self_speculative' with decoder.chain=true to draft through an exit where the lookup finds "
-        "nothing"
-    )
-    return generate_from_text(
-        m, prompts, cfg, draft, name="prompt_lookup", proposer=PromptLookupProposer, hint=hint
-    )
+
+def check_lookup(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=None) -> None:
+    refuse_exit_layer("prompt_lookup", cfg, HINT)
+
+
+def build(s: Setup) -> PromptLookupProposer:
+    return PromptLookupProposer(s.prompts, s.cfg, s.costs, s.m.vocab_size)
+
+
+KIND = ProposerKind("prompt_lookup", build, check=check_lookup)
+generate = KIND.generate

@@ -47,7 +47,11 @@ MARGINAL_SPAN = 16  # marginal costs computed for drafts up to this long (longer
 
 class Proposer:
     """Base of the proposers. ``name`` labels its drafts; ``depth``: target blocks its drafts leave run (the
-    verifier runs the rest); ``costs``: the target's cost model; ``policy``: set by the loop."""
+    verifier runs the rest); ``costs``: the target's cost model; ``policy``: set by the loop.
+
+    A proposer that may follow prompt lookup in a chain (``ngram.ChainProposer``) also drafts with some rows'
+    tokens forced (``draft``), takes a whole draft made elsewhere (``absorb``) and stops drafting when the
+    chain retires it (``retire``): the defaults here serve a proposer that keeps no cache of its own."""
 
     name: ClassVar[str] = "proposer"
     vocab: torch.Tensor | None = None
@@ -79,8 +83,50 @@ class Proposer:
     def propose(self, r: Round) -> Draft:
         raise NotImplementedError
 
+    def draft(self, r: Round, forced: tuple[torch.Tensor, list[int]] | None = None) -> Draft:
+        """Its own draft, where rows ``b`` with ``forced[1][b] > 0`` draft ``forced[0][b, :forced[1][b]]``
+        instead (deterministic: q one-hot)."""
+        own = self.propose(r)
+        if forced is None:
+            return own
+        return merge_forced(own, forced, self.name)
+
+    def absorb(self, r: Round, tokens: torch.Tensor, lengths: list[int], source: str) -> Draft:
+        """A deterministic draft made elsewhere (``tokens [B, k]``, ``lengths`` per row), as its own."""
+        return Draft(tokens, None, list(lengths), sources=[source] * len(lengths))
+
+    def retire(self) -> None:
+        """A chain stopped its drafting for the rest of the call."""
+
+    def feedback(self, done: Any) -> tuple[list[int | None], list[int | None]]:
+        """What the draft-length policy learns from a settled round: accepted and drafted per row (None:
+        a row it did not draft)."""
+        return done.accepted, done.lengths
+
     def update(self, r: Round, draft: Draft, verdict: Verdict, done: Any) -> None:
         """After a round settled (``speculative.Settled``)."""
+
+
+def merge_forced(own: Draft, forced: tuple[torch.Tensor, list[int]], name: str) -> Draft:
+    """``own`` (drafted by ``name``) with the rows that ``forced`` names replaced by their forced tokens
+    (q one-hot when sampling)."""
+    tokens, lengths = forced
+    width = max(own.k, tokens.shape[1])
+    pad = torch.zeros(tokens.shape[0], width, dtype=torch.long, device=tokens.device)
+    merged, mine = pad.clone(), pad.clone()
+    merged[:, : tokens.shape[1]], mine[:, : own.k] = tokens, own.tokens
+    use = torch.tensor([n > 0 for n in lengths], device=tokens.device)[:, None]
+    merged = torch.where(use, merged, mine)
+    own_lengths = own.row_lengths()
+    row_lengths = [n if n > 0 else own_lengths[b] for b, n in enumerate(lengths)]
+    probs = None
+    if own.probs is not None:
+        vocab_size = own.probs.shape[-1]
+        mine_q = torch.zeros(*merged.shape, vocab_size, device=merged.device)
+        mine_q[:, : own.k] = own.probs
+        probs = torch.where(use[..., None], one_hot(merged, vocab_size), mine_q)
+    sources = ["prompt_lookup" if n > 0 else name for n in lengths]
+    return Draft(merged, probs, row_lengths, sources=sources)
 
 
 def one_hot(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -171,7 +217,6 @@ class ModelProposer(Proposer):
         fixed = 0 if forced is None else max(forced[1])
         limit = max(r.limit, fixed)
         hiddens, tokens, probs = [], [], []
-        policy.begin()
         flag.reset()
         self._trim_backlog()
         token, voters = r.last, r.active

@@ -21,56 +21,75 @@ output over the adapter's own draft vocabulary; E comes from the adapter, the ad
 cache layer (filled at prefill, rolled back with the rest), and verification still runs on the raw exit
 hidden states: lossless. With ``decoder.chain=true`` rows draft by prompt lookup where their text matches
 (``ngram.py``) and through the exit elsewhere.
+
+``offers`` tells ``auto`` (``fastdecode/choose.py``) what it may plan with: every exit the checkpoint's
+``acceptance.json`` records, with the full head and with the draft vocabulary, and the exit adapter, each
+priced on this machine.
 """
 
 from __future__ import annotations
 
-import torch
-
 from fastdecode.config import ConfigError
-from fastdecode.cost import cost_model
-from fastdecode.decoding.common import (
-    DecodeConfig,
-    DecodeOutput,
-    check,
-    configure_engine,
-    new_generator,
-    refuse_draft_model,
-)
-from fastdecode.decoding.ngram import ChainProposer, PromptLookupProposer
-from fastdecode.decoding.proposers import ExitProposer, Proposer
-from fastdecode.decoding.speculative import speculate
-from fastdecode.exit_adapter import adapter_for_decoding
+from fastdecode.cost import exit_draft_cost
+from fastdecode.decoding.common import DecodeConfig
+from fastdecode.decoding.draft_vocab import draft_vocab_ids
+from fastdecode.decoding.drafters import Offer, PlanInputs, ProposerKind, Setup
+from fastdecode.decoding.proposers import ExitProposer
+from fastdecode.exit_adapter import adapter_for_decoding, load_adapter, recorded_adapter
 from fastdecode.model import EarlyExitModel
 
 
-def exit_proposer(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, generator) -> Proposer:
-    """The proposer ``cfg`` describes: the raw exit E or the exit adapter (with its own draft vocabulary),
-    chained after prompt lookup with ``cfg.chain``."""
-    # The adapter (None unless decoder.adapter is set) and the draft head's vocabulary: the adapter's own, or
-    # decoder.draft_vocab for a raw exit (None: the full head)
-    adapter, vocab = adapter_for_decoding(cfg, m)
+def check_exit(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=None) -> None:
+    """The drafter ``cfg`` names exists: an exit E, or an exit adapter (loaded and checked against ``m``,
+    with its draft vocabulary; a raw exit's ``decoder.draft_vocab`` too)."""
+    adapter, _ = adapter_for_decoding(cfg, m)
     if cfg.exit_layer is None and adapter is None:
         raise ConfigError(
             f"decoder 'self_speculative' needs decoder.exit_layer (the drafter's depth), "
             f"1 <= exit_layer <= {m.num_layers - 1}, or decoder.adapter (an exit adapter, which has its own)."
         )
-    exit_layer = adapter.exit_layer if adapter is not None else cfg.exit_layer
-    costs = cost_model(m, cfg.costs)
-    proposer = ExitProposer(m, exit_layer, cfg, generator, costs=costs, adapter=adapter, vocab=vocab)
-    if cfg.chain:
-        lookup = PromptLookupProposer(prompts, cfg, costs, m.vocab_size)
-        return ChainProposer(lookup, proposer, judge_after=cfg.lookup.fallback_trial)
-    return proposer
 
 
-@torch.inference_mode()
-def generate(
-    m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft: EarlyExitModel | None = None
-) -> DecodeOutput:
-    """Self-speculative decoding of ``prompts`` with the drafter = layers ``< cfg.exit_layer``; lossless."""
-    check(cfg, m, prompts)
-    refuse_draft_model("self_speculative", draft)
-    configure_engine(m, cfg)  # the execution engine this call decodes on (the checks above change nothing)
-    generator = new_generator(cfg, m.device)
-    return speculate(m, prompts, cfg, exit_proposer(m, prompts, cfg, generator), generator=generator)
+def build(s: Setup) -> ExitProposer:
+    """The raw exit E or the exit adapter (with its own draft vocabulary) of ``s.cfg``."""
+    adapter, vocab = adapter_for_decoding(s.cfg, s.m)  # loaded once per model and file version
+    exit_layer = adapter.exit_layer if adapter is not None else s.cfg.exit_layer
+    return ExitProposer(s.m, exit_layer, s.cfg, s.generator, costs=s.costs, adapter=adapter, vocab=vocab)
+
+
+def offers(p: PlanInputs) -> list[Offer]:
+    """Every exit the checkpoint records (full head, or its draft vocabulary), and the exit adapter given with
+    the model, each with the options that draft through exactly it and its cost on this machine."""
+    found = []
+    for d in p.record.find("exit") if p.record is not None else []:
+        vocab_file = p.record.path_of(d.draft_vocab)
+        vocab = draft_vocab_ids(vocab_file, p.m) if vocab_file else None
+        token = exit_draft_cost(p.costs, p.m, d.exit_layer, vocab=vocab)
+        options = {"exit_layer": d.exit_layer, "adapter": None, "draft_vocab": vocab_file}
+        name = "exit" if vocab is None else "exit (draft vocabulary)"
+        found.append(
+            Offer(name, options, d.acceptance, token, d.exit_layer, d.exit_layer, d.tokens_per_round)
+        )
+    if p.adapter is not None:
+        recorded = recorded_adapter(p.adapter)
+        token = 0.0
+        if recorded.agreement is not None:  # else nothing to weigh the cost against
+            adapter, _, vocab = load_adapter(recorded.path, p.m)
+            token = exit_draft_cost(p.costs, p.m, recorded.exit_layer, adapter=adapter, vocab=vocab)
+        options = {"exit_layer": None, "adapter": recorded.path, "draft_vocab": None}
+        found.append(
+            Offer(
+                "adapter",
+                options,
+                recorded.agreement,
+                token,
+                recorded.exit_layer,
+                recorded.exit_layer,
+                recorded.tokens_per_round,
+            )
+        )
+    return found
+
+
+KIND = ProposerKind("self_speculative", build, check=check_exit, chainable=True, offers=offers)
+generate = KIND.generate

@@ -219,12 +219,13 @@ def speculate(
         live = len(rows.active)
         limit = min(policy.draft_limit(), rows.most_remaining() - 1)  # the verifier adds one token itself
         r = Round(last, positions, rows.active_mask(m.device), limit, rows, cache.lengths[0])
+        policy.begin()
         draft = proposer.propose(r)
         verdict = accept(verify(m, cache, r, draft), draft, cfg, generator=generator)
         done, kept = settle(
             rows, out, draft=draft, verdict=verdict, caches=[cache, *proposer.caches()], start=r.start
         )
-        policy.update(done.accepted, done.lengths)
+        policy.update(*proposer.feedback(done))
         proposer.update(r, draft, verdict, done)
         last, positions = verdict.next_token, positions + (kept + 1) * r.active
         out.layers_run += draft.layers_run + (draft.k + 1) * (m.num_layers - draft.depth) * live

@@ -1,0 +1,145 @@
+"""Kinds of draft: how the one speculative loop builds, checks, chains and plans each drafter.
+
+A ``ProposerKind`` is everything fastdecode needs to know about a kind of drafter besides its ``Proposer``
+class (``proposers.py``): its decoder name, its own checks (run before the execution engine is configured),
+how to build its proposer for a call, whether it can follow prompt lookup in a chain (``decoder.chain``), and
+what it offers ``auto`` (``offers``: the drafters it can run on a model, priced from what the model's
+checkpoint records). ``PROPOSERS`` in ``fastdecode/decoding/__init__.py`` registers the kinds; each one is also
+a decoder (``generate``), so a new drafter is its module (a ``Proposer`` and its ``ProposerKind``), one line in
+``PROPOSERS`` and a ``configs/decoder/<name>.yaml``.
+
+What an offer says: the ``DecodeConfig`` options that make the kind draft with it (complete: what the plan
+prices is exactly what runs), the acceptance it records (per token, and per draft length replayed on the
+model's own answers when recorded: ``fastdecode/acceptance.py``), and its cost per drafted token and per
+round in plain decoding steps (``fastdecode/cost.py``). ``fastdecode/choose.py`` turns offers into a plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fastdecode.acceptance import AcceptanceRecord
+from fastdecode.config import ConfigError
+from fastdecode.cost import CostModel, cost_model
+from fastdecode.decoding.common import (
+    DecodeConfig,
+    DecodeOutput,
+    check,
+    configure_engine,
+    new_generator,
+    refuse_draft_model,
+)
+from fastdecode.decoding.ngram import ChainProposer, PromptLookupProposer
+from fastdecode.decoding.proposers import Proposer
+from fastdecode.decoding.speculative import speculate
+from fastdecode.model import EarlyExitModel
+
+
+@dataclass
+class Setup:
+    """What a proposer is built from in one call: the target, the prompts, the config, the call's generator,
+    the target's cost model at the call's batch size and the separate draft model (two-model kinds)."""
+
+    m: EarlyExitModel
+    prompts: list[list[int]]
+    cfg: DecodeConfig
+    generator: torch.Generator
+    costs: CostModel
+    draft: EarlyExitModel | None = None
+
+
+@dataclass
+class PlanInputs:
+    """What ``auto`` plans from: the target, its cost model, the acceptance its checkpoint records (None:
+    none) and an exit adapter directory given with it (None: none)."""
+
+    m: EarlyExitModel
+    costs: CostModel
+    record: AcceptanceRecord | None = None
+    adapter: str | None = None
+
+
+@dataclass
+class Offer:
+    """A drafter a kind can run on the model, with what prices it. ``options``: the ``DecodeConfig`` fields
+    that select it (every field the price depends on, so nothing else may be merged in); ``acceptance``: per
+    drafted token (None: not recorded, not plannable); ``tokens_per_round``: per draft length K, the tokens a
+    round yields, replayed exactly (empty: i.i.d. from ``acceptance``); ``token_cost``: one drafted token and
+    ``depth``: the target blocks its drafts leave run, both for ``CostModel.round_cost``; ``round_cost``:
+    a kind whose rounds are priced otherwise (a separate draft model) sets it."""
+
+    drafter: str
+    options: dict
+    acceptance: float | None
+    token_cost: float
+    depth: int = 0
+    exit_layer: int | None = None
+    tokens_per_round: dict[int, float] = field(default_factory=dict)
+    round_cost: Callable[[int], float] | None = None
+
+    def cost(self, costs: CostModel, drafted: int) -> float:
+        """A round of ``drafted`` tokens and their verification, in plain decoding steps."""
+        if self.round_cost is not None:
+            return self.round_cost(drafted)
+        return costs.round_cost(drafted, self.token_cost, self.depth)
+
+
+def no_check(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft: Any) -> None:
+    """The checks of a kind without a draft model or options of its own."""
+
+
+@dataclass(frozen=True)
+class ProposerKind:
+    """A kind of drafter (see the module docstring). ``check(m, prompts, cfg, draft)`` raises a
+    ``ConfigError`` for what the kind cannot do (``refuse_draft_model`` unless ``uses_draft_model``);
+    ``build(setup)`` returns its proposer; ``offers(inputs)`` what ``auto`` may plan with it."""
+
+    name: str
+    build: Callable[[Setup], Proposer]
+    check: Callable[[EarlyExitModel, list[list[int]], DecodeConfig, Any], None] = no_check
+    chainable: bool = False
+    uses_draft_model: bool = False
+    offers: Callable[[PlanInputs], list[Offer]] | None = None
+
+    def validate(
+        self, m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft: Any = None
+    ) -> None:
+        """Every check of a call, before any work (the engine included): changes nothing."""
+        check(cfg, m, prompts)
+        if not self.uses_draft_model:
+            refuse_draft_model(self.name, draft)
+        if cfg.chain and not self.chainable:
+            raise ConfigError(
+                f"decoder.chain=true: decoder '{self.name}' cannot follow prompt lookup in a chain; set "
+                "decoder.chain=false, or use 'self_speculative' or 'assisted' with decoder.chain=true."
+            )
+        self.check(m, prompts, cfg, draft)
+
+    def proposer(
+        self, m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, generator, draft: Any = None
+    ) -> Proposer:
+        """The call's proposer, chained after prompt lookup with ``cfg.chain`` (``ngram.ChainProposer``),
+        priced by the target's cost model at the call's batch size. After ``validate``."""
+        costs = cost_model(m, cfg.costs, batch=len(prompts))
+        proposer = self.build(Setup(m, prompts, cfg, generator, costs, draft))
+        if cfg.chain:
+            lookup = PromptLookupProposer(prompts, cfg, costs, m.vocab_size)
+            proposer = ChainProposer(lookup, proposer, judge_after=cfg.lookup.fallback_trial)
+        return proposer
+
+    def generate(
+        self, m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft: Any = None
+    ) -> DecodeOutput:
+        """Decode ``prompts`` with this kind's drafts verified by the speculative loop; lossless."""
+        with torch.inference_mode():
+            self.validate(m, prompts, cfg, draft)
+            configure_engine(m, cfg)  # the execution engine this call decodes on (the checks changed nothing)
+            if draft is not None:
+                configure_engine(draft, cfg)
+            generator = new_generator(cfg, m.device)
+            proposer = self.proposer(m, prompts, cfg, generator, draft)
+            return speculate(m, prompts, cfg, proposer, generator=generator)

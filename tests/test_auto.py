@@ -1,0 +1,150 @@
+"""What ``auto`` rests on, each tested where it can fail: the acceptance a checkpoint records is what decoding
+sees (the replay equals self-speculation round for round), the adaptive policy of a chain learns from its
+fallback's rows only, prompt lookup cuts a batch at one width, a retired draft model stops running."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdecode.acceptance import replay_rounds
+from fastdecode.cost import CostModel
+from fastdecode.decoding import DECODERS, PROPOSERS, DecodeConfig, LookupOptions
+from fastdecode.decoding.ngram import ChainProposer, PromptLookupProposer
+from fastdecode.decoding.policies import Adaptive
+from fastdecode.exit_report import generation_report
+from fastdecode.model import EarlyExitModel
+from tests.helpers import assisted_target, draft_model, lively_model, random_prompts, tiny_model
+
+autoregressive = DECODERS["autoregressive"]
+
+
+def test_replay_counts_rounds_as_greedy_speculation_does():
+    """By hand: matches 1,1,0,1 after the prefill's token; K=2 accepts 2 (+1), then the mismatch (+1)."""
+    seq = [True, True, True, False, True, True]  # token 0 comes from the prefill
+    # K=1: rounds at 1 (accept 1, emit 2), 3 (reject, emit 1), 4 (accept 1: the budget leaves 1 draft, emit 2)
+    assert replay_rounds([seq], 2)[1] == pytest.approx(5 / 3)
+    # K=2: rounds at 1 (accept 2, emit 3: tokens 1..3, token 3 the correction), 4 (accept 1 by the budget, emit 2)
+    assert replay_rounds([seq], 2)[2] == pytest.approx(5 / 2)
+    assert replay_rounds([[True]], 3) == {1: 1.0, 2: 1.0, 3: 1.0}  # nothing after the prefill: no round
+
+
+@pytest.mark.parametrize("exit_layer", [1, 2, 3])
+def test_the_recorded_rounds_are_what_self_speculation_does(exit_layer):
+    """The record's ``tokens_per_round`` (replayed from the exit's agreement on the model's own greedy
+    answers) equals the tokens per round of real greedy self-speculation at every K, prompt by prompt."""
+    m = lively_model("tiny-llama", 0.3)
+    prompts = random_prompts(4, seed=11)
+    answers = autoregressive(m, prompts, DecodeConfig(max_new_tokens=24)).tokens
+    report = generation_report(m, [(p + a, len(p)) for p, a in zip(prompts, answers, strict=True)])
+    assert 0.1 < report["agreement"][exit_layer] < 0.95  # the premise: some drafts land, some do not
+    for k in (1, 2, 4):
+        cfg = DecodeConfig(max_new_tokens=24, exit_layer=exit_layer, policy="constant", draft_tokens=k)
+        tokens = rounds = 0
+        for prompt, answer in zip(prompts, answers, strict=True):
+            out = DECODERS["self_speculative"](m, [prompt], cfg)
+            assert out.tokens == [answer]
+            tokens, rounds = tokens + len(answer) - 1, rounds + out.steps
+        assert report["tokens_per_round"][exit_layer][k] == pytest.approx(tokens / rounds), k
+
+
+def test_the_adaptive_policy_of_a_chain_learns_from_its_fallbacks_rows_only(monkeypatch):
+    """Rounds the lookup drafted (absorbed, or forced rows) are not booked against the exit's confidences,
+    and no round is booked against an earlier round's confidences."""
+    booked = []
+    real = Adaptive.update
+
+    def spy(self, accepted, drafted):
+        booked.append((list(accepted), len(self.confidences)))
+        return real(self, accepted, drafted)
+
+    monkeypatch.setattr(Adaptive, "update", spy)
+    sources = []
+    real_update = ChainProposer.update
+    monkeypatch.setattr(
+        ChainProposer,
+        "update",
+        lambda self, r, d, v, done: sources.append(list(done.sources)) or real_update(self, r, d, v, done),
+    )
+    m = EarlyExitModel(tiny_model("tiny-llama")[0])  # repeats its token: the lookup matches most rounds
+    prompts = random_prompts(3, seed=52)
+    cfg = DecodeConfig(max_new_tokens=20, exit_layer=2, chain=True, policy="adaptive", draft_tokens=4)
+    out = DECODERS["self_speculative"](m, prompts, cfg)
+    assert out.tokens == autoregressive(m, prompts, DecodeConfig(max_new_tokens=20)).tokens
+    assert out.by_proposer["prompt_lookup"][0] > 0 and len(booked) == len(sources)
+    lookup_rounds = 0
+    for (accepted, confidences), round_sources in zip(booked, sources, strict=True):
+        for a, source in zip(accepted, round_sources, strict=True):
+            assert (a is None) == (source != "exit"), (accepted, round_sources)
+        if all(s != "exit" for s in round_sources):
+            lookup_rounds += 1
+            assert confidences == 0  # begun afresh: nothing left from the exit's last draft
+    assert lookup_rounds > 0
+
+
+def test_prompt_lookup_cuts_a_batch_at_one_width():
+    """A verification is as wide as the batch's longest draft: once one row's confident match sets the width,
+    another row's weaker match rides along for free, and the width is what pays for the batch as a whole."""
+    costs = CostModel(
+        30, 1000, (1, 2, 3, 5), (0.03, 0.04, 0.05, 0.07), (0.1, 0.1, 0.1, 0.1), "measured", batch=2
+    )
+    cfg = DecodeConfig(max_new_tokens=50, lookup=LookupOptions(max_ngram_size=3), policy="adaptive")
+    strong = [7, 8, 9, 1, 2, 3, 4, 7, 8, 9]  # (7, 8, 9) seen before: 4 tokens follow
+    weak = [5, 1, 2, 6, 6, 6, 3, 1]  # only (1,) seen before: a 1-token match, 2, 6, 6, 6 follow
+    proposer = PromptLookupProposer([strong, weak], cfg, costs, 1000)
+    proposer.policy = Adaptive(4)
+    from fastdecode.decoding.common import Rows
+    from fastdecode.decoding.speculative import Round
+
+    rows = Rows(2, cfg)
+    r = Round(
+        torch.tensor([9, 1]), torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.bool), 4, rows, 0
+    )
+    drafts = proposer.lookup(r)
+    assert drafts[0] == [1, 2, 3] and drafts[1] == [2, 6, 6]  # one width (3 pays best) for both rows
+    alone = PromptLookupProposer([weak], cfg, costs, 1000)
+    alone.policy = Adaptive(4)
+    solo = Round(
+        torch.tensor([1]),
+        torch.zeros(1, dtype=torch.long),
+        torch.ones(1, dtype=torch.bool),
+        4,
+        Rows(1, cfg),
+        0,
+    )
+    assert alone.lookup(solo)[0] == []  # alone, the weak match does not pay for a wider verification
+
+
+def test_a_retired_draft_model_stops_running(monkeypatch):
+    """A separate draft model that does not pay is retired by the chain's judge; from then on the draft model
+    runs no forward at all (its cache is no longer kept), and decoding stays lossless."""
+    target, small = assisted_target(), draft_model("other")
+    calls = []
+    real = small.run_layers
+    monkeypatch.setattr(small, "run_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompts = random_prompts(2, seed=5)
+    cfg = DecodeConfig(max_new_tokens=40, chain=True, draft_tokens=3, lookup=LookupOptions(fallback_trial=2))
+    retired = []
+    real_retire = ChainProposer.judge
+
+    def judge(self, draft, done):
+        real_retire(self, draft, done)
+        retired.append((self.retired, len(calls)))
+
+    monkeypatch.setattr(ChainProposer, "judge", judge)
+    out = DECODERS["assisted"](target, prompts, cfg, draft=small)
+    assert out.tokens == autoregressive(target, prompts, DecodeConfig(max_new_tokens=40)).tokens
+    first = next(i for i, (done, _) in enumerate(retired) if done)
+    assert calls and len(calls) == retired[first][1]  # no draft-model forward after the retirement
+    assert out.steps > first + 3  # and decoding went on for several rounds
+
+
+def test_every_planned_kind_is_a_chainable_or_standalone_decoder():
+    """The registry: every kind is a decoder of its name; the ones ``auto`` chains can follow the lookup."""
+    for name, kind in PROPOSERS.items():
+        assert DECODERS[name] == kind.generate and kind.name == name
+    assert {n for n, k in PROPOSERS.items() if k.chainable} == {"self_speculative", "assisted"}
+    with pytest.raises(Exception, match="cannot follow prompt lookup"):
+        DECODERS["prompt_lookup"](
+            lively_model("tiny-llama"), [[5, 6]], DecodeConfig(max_new_tokens=3, chain=True)
+        )
