@@ -41,6 +41,7 @@ import torch
 from fastdecode.config import unknown_name_error
 from fastdecode.engine import default_options
 from fastdecode.model import EarlyExitModel
+from fastdecode.progress import phase
 
 SOURCES = ("measured", "estimated")
 PROBE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # T values timed; others are interpolated / extrapolated
@@ -211,6 +212,7 @@ def _interleaved_minima(probes: dict, device: torch.device, repeats: int) -> dic
     return {name: min(found) for name, found in times.items()}
 
 
+@phase("cost model", "timing the blocks and the head over 1 to 16 new tokens on the engine that decodes")
 @torch.inference_mode()
 def measure_costs(
     m: EarlyExitModel,
