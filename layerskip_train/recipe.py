@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from fastdecode.choose import choose_exit, plan_decoding
+from fastdecode.choose import Plan, choose_exit, plan_decoding
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
 from fastdecode.cost import decoding_costs
 from fastdecode.data.chat import build_datasets
@@ -21,8 +21,9 @@ from fastdecode.data.config import DataConfig
 from fastdecode.data.draft_vocab import draft_vocab_from_examples
 from fastdecode.distributed import world_size
 from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE, save_draft_vocab
-from fastdecode.exit_report import exit_report, plot_reports
+from fastdecode.exit_report import choice_sentence, exit_report, plot_reports
 from fastdecode.io import atomic_write_json
+from fastdecode.machine import machine_label
 from fastdecode.model import EarlyExitModel
 from fastdecode_recipes.common import TrainJob
 from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
@@ -95,11 +96,17 @@ def _report_set(rcfg: LayerSkipConfig, tokenizer, held_out: list[dict]) -> list[
     return build_datasets(data, tokenizer)[1]
 
 
-def _report(model, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig) -> dict:
+def _report(model, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, when: str) -> dict:
     r = rcfg.report
     prompts = [ex["prompt"] for ex in held_out if ex.get("prompt")][: r.prompts]
     return exit_report(
-        model, tokenizer, held_out, prompts, r.max_new_tokens, max_examples=r.held_out_examples
+        model,
+        tokenizer,
+        held_out,
+        prompts,
+        r.max_new_tokens,
+        max_examples=r.held_out_examples,
+        name=f"exit report {when} training",
     )
 
 
@@ -144,7 +151,9 @@ class LayerSkip(Recipe):
 
     def before_report(self, model, tokenizer, held_out: list[dict]) -> dict | None:
         r = self.rcfg.report
-        return _report(model, tokenizer, self.report_set, self.rcfg) if r.enabled and r.before else None
+        if not (r.enabled and r.before):
+            return None
+        return _report(model, tokenizer, self.report_set, self.rcfg, "before")
 
     def after_report(self, run: FinetuneRun) -> dict:
         return _finish(run.final, run.tokenizer, self.report_set, self.rcfg, run.before, run.out, run.stage)
@@ -163,11 +172,10 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
     return finetune(job, cfg, LayerSkip(job)).summary
 
 
-def _speed_line(m: EarlyExitModel, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, agreement, costs):
+def _speed_line(m: EarlyExitModel, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, plan: Plan):
     """The closing speed line: the decoders the cost model expects to pay with this checkpoint's recorded
-    acceptance (``fastdecode.choose.plan_decoding``) against autoregressive decoding, on a few held-out
-    prompts."""
-    plan = plan_decoding(m, costs, exit_agreement=agreement)
+    acceptance (``plan``: ``fastdecode.choose.plan_decoding``) against autoregressive decoding, on a few
+    held-out prompts."""
     prompts = [ex["prompt"] for ex in held_out if ex.get("prompt")]
     return speed_line(m, tokenizer, prompts, rcfg.report, plan)
 
@@ -185,15 +193,28 @@ def _write_draft_vocab(
     return str(final_dir / DRAFT_VOCAB_FILE)
 
 
-def _record_exit(final, stage: Path, choice: dict, rcfg: LayerSkipConfig) -> None:
+def exit_message(choice: dict, plan: Plan | None, measured_on: str | None = None) -> str:
+    """The exit choice as one sentence: what was recorded, why, and what ``method=auto`` decodes with."""
+    exit_layer = choice["exit"]
+    if choice["source"] == "config":
+        text = f"exit E={exit_layer} from recipe.exit_layer, recorded in fastdecode.json"
+    elif choice["source"] == "no report":
+        text = "no exit recorded: the exit report is off (recipe.report.enabled=false)"
+    else:
+        text = choice_sentence(choice, measured_on)
+        text += "; no exit recorded" if exit_layer is None else ", recorded in fastdecode.json"
+    if plan is not None:
+        text += f"; method=auto decodes with {plan.best.name.replace('_', ' ')}"
+    return text
+
+
+def _record_exit(final, stage: Path, choice: dict, rcfg: LayerSkipConfig, plan: Plan | None) -> None:
     """E goes into ``fastdecode.json`` (``LayerSkip.describe``); into ``generation_config.json`` only when
     ``recipe.export.hf_assistant_early_exit`` opts in, since transformers then self-speculates inside every
-    ``generate`` (batch size 1 only). Without the opt-in, one inherited from the base model is removed too."""
+    ``generate`` (batch size 1 only). Without the opt-in, one inherited from the base model is removed too.
+    No exit expected to pay is the usual outcome of a short CPU run, so it is logged at INFO like a choice."""
     exit_layer = choice["exit"]
-    if exit_layer is None:
-        log.warning("no exit is expected to speed decoding up yet (%s); no exit recorded", choice)
-    else:
-        log.info("recommended exit E=%s (%s), recorded in fastdecode.json", exit_layer, choice["source"])
+    log.info("%s", exit_message(choice, plan, machine_label(final.device)))
     hf_exit = int(exit_layer) if rcfg.export.hf_assistant_early_exit and exit_layer is not None else None
     if hf_exit is not None or getattr(final.generation_config, "assistant_early_exit", None) is not None:
         final.generation_config.assistant_early_exit = hf_exit
@@ -211,10 +232,11 @@ def _finish(
 ) -> dict:
     """Exit report after training, the recommended exit in generation_config (written into the export's
     staging directory ``stage``), report JSON + plot."""
-    after = _report(final, tokenizer, held_out, rcfg) if rcfg.report.enabled else None
+    after = _report(final, tokenizer, held_out, rcfg, "after") if rcfg.report.enabled else None
     agreement = after["generations"]["agreement"] if after is not None else None
     m = EarlyExitModel(final)
     costs = decoding_costs(m) if agreement is not None else None
+    plan = plan_decoding(m, costs, exit_agreement=agreement) if costs is not None else None
     if rcfg.exit_layer is not None:
         choice = {"exit": rcfg.exit_layer, "source": "config"}
     elif agreement is not None:
@@ -222,11 +244,13 @@ def _finish(
         choice["source"] = "exit report"
     else:
         choice = {"exit": None, "source": "no report"}
-    _record_exit(final, stage, choice, rcfg)
+    _record_exit(final, stage, choice, rcfg, plan)
     report = {"before": before, "after": after, "recommended": choice}
     if costs is not None:
-        report["costs"] = costs.to_json()
-        report["speed"] = _speed_line(m, tokenizer, held_out, rcfg, agreement, costs)
+        report["costs"] = costs.to_json() | {
+            "measured_on": machine_label(m.device)
+        }  # speeds name the machine
+        report["speed"] = _speed_line(m, tokenizer, held_out, rcfg, plan)
     atomic_write_json(out / "exit_report.json", report)
     if before and after:
         plot_reports({"before": before, "after": after}, str(out / "exit_report.png"))

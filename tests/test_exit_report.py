@@ -38,21 +38,19 @@ def test_agreement_on_own_generations_counts_generated_tokens(tiny_llama):
     assert report["agreement"][m.num_layers] == 1.0  # greedy tokens are the final layer's argmax
 
 
-def test_eval_exits_entry_point_writes_json_and_plot(tmp_path):
+def run_exits(tmp_path, *overrides: str) -> dict:
+    """``eval/exits.py`` on a 12-conversation chat jsonl (3 held out), 2 prompts of 5 new tokens."""
     from eval.exits import run
 
     data = write_chat_jsonl(tmp_path / "chat.jsonl", n=12)
-    overrides = [
-        "model=tiny-llama",
-        "data=jsonl",
-        f"data.path={data}",
-        "data.held_out=3",
-        "prompts=2",
-        "max_new_tokens=5",
-        f"output_dir={tmp_path / 'out'}",
-    ]
+    base = ["data=jsonl", f"data.path={data}", "data.held_out=3", "prompts=2", "max_new_tokens=5"]
+    base.append(f"output_dir={tmp_path / 'out'}")
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        reports = run(compose(config_name="exits", overrides=overrides))
+        return run(compose(config_name="exits", overrides=[*overrides, *base]))
+
+
+def test_eval_exits_entry_point_writes_json_and_plot(tmp_path):
+    reports = run_exits(tmp_path, "model=tiny-llama")
     saved = json.loads((tmp_path / "out" / "exits.json").read_text())
     assert saved["model"]["generations"]["agreement"]["4"] == 1.0
     assert set(reports["model"]["held_out"]["perplexity"]) == {1, 2, 3, 4}
@@ -62,3 +60,51 @@ def test_eval_exits_entry_point_writes_json_and_plot(tmp_path):
         saved["model"]["costs"]["source"] == "measured"
         and saved["model"]["recommended"]["costs"] == "measured"
     )
+
+
+def test_eval_exits_measures_the_cost_model_once_and_generates_once_per_model(tmp_path, monkeypatch):
+    """A checkpoint, its base and an exit adapter: one cost-model measurement for the run (the two models
+    have one shape), one set of greedy generations per model (the adapter report scores the exit report's),
+    and every expected speedup printed as a sentence naming the machine it was measured on."""
+    import dataclasses
+
+    import fastdecode.cost
+    import fastdecode.exit_report
+    from fastdecode.checkpoint_info import write_sidecar
+    from fastdecode.config import ModelConfig, load_group
+    from fastdecode.machine import machine_label
+    from fastdecode_cli.exits import summary_lines
+    from tests.helpers import tiny_llama_adapter, tiny_model
+
+    model, tokenizer = tiny_model("tiny-llama")
+    checkpoint = tmp_path / "final"
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    base = dataclasses.asdict(load_group("model", "tiny-llama", ModelConfig))
+    write_sidecar(checkpoint, recipe="layerskip", run_name="layerskip-tiny-llama", base_model=base)
+    calls = {"measure_costs": 0, "greedy_generations": 0}
+
+    def counted(name, original):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(
+        fastdecode.cost, "measure_costs", counted("measure_costs", fastdecode.cost.measure_costs)
+    )
+    monkeypatch.setattr(
+        fastdecode.exit_report,
+        "greedy_generations",
+        counted("greedy_generations", fastdecode.exit_report.greedy_generations),
+    )
+    adapter = tiny_llama_adapter(tmp_path, 2)
+    reports = run_exits(tmp_path, "model=checkpoint", f"checkpoint={checkpoint}", f"adapter={adapter}")
+    assert set(reports) == {"base", "checkpoint"} and "adapters" in reports["checkpoint"]
+    assert calls == {"measure_costs": 1, "greedy_generations": 2}
+    assert reports["base"]["costs"] == reports["checkpoint"]["costs"]  # one measurement, shared
+    assert reports["checkpoint"]["adapters"]["recommended"]["costs"] == "measured"
+    lines = summary_lines(reports)
+    assert not any("{" in line for line in lines)  # sentences, no dict
+    assert sum(f"(cost model measured on {machine_label()})" in line for line in lines) == 3
