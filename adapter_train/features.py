@@ -35,7 +35,9 @@ from adapter_train.config import FeatureConfig
 from adapter_train.feature_records import batch_features, generation_features, scored_positions
 from fastdecode.exit_adapter import base_identity, check_base
 from fastdecode.io import check_free_space
+from fastdecode.machine import machine_label
 from fastdecode.model import EarlyExitModel
+from fastdecode.progress import human_seconds, phase
 from fastdecode.tensor_shards import MANIFEST, ShardHeaderError, ShardReader, ShardWriter, check_header
 
 log = logging.getLogger(__name__)
@@ -161,19 +163,23 @@ def build_features(
     started = time.perf_counter()
     was_training = m.hf.training
     m.hf.eval()
+    todo = len(order) - writer.records
+    what = f"the frozen model's features at exits {cached_exits} of {todo} sequences ({fcfg.source}) into {directory}"
     try:
-        for b in range(writer.records, len(order), fcfg.batch_size):
-            chosen = order[b : b + fcfg.batch_size]
-            tick = time.perf_counter()
-            records = _feature_records(m, [examples[i] for i in chosen], cached_exits, fcfg, eos=eos)
-            _write_records(writer, chosen, records, seconds=time.perf_counter() - tick, on_commit=on_commit)
-            if (b // fcfg.batch_size) % 8 == 0:
-                log.info("features: %d / %d sequences", b + len(chosen), len(order))
+        with phase("features", what, total=todo, unit="sequence", logger=log) as progress:
+            for b in range(writer.records, len(order), fcfg.batch_size):
+                chosen = order[b : b + fcfg.batch_size]
+                tick = time.perf_counter()
+                records = _feature_records(m, [examples[i] for i in chosen], cached_exits, fcfg, eos=eos)
+                _write_records(
+                    writer, chosen, records, seconds=time.perf_counter() - tick, on_commit=on_commit
+                )
+                progress.update(len(chosen))
     finally:
         m.hf.train(was_training)
     writer.finish()
-    manifest = writer.finish(summary=_summary(writer.manifest["stats"], len(order), started))
-    log.info("features: %s", manifest["summary"])
+    manifest = writer.finish(summary=_summary(writer.manifest["stats"], len(order), started, m.device))
+    log.info("features: %s", summary_text(manifest["summary"]))
     return ShardReader(directory, limit=len(order))
 
 
@@ -209,8 +215,9 @@ def _write_records(
             on_commit(writer.records)
 
 
-def _summary(stats: dict, sequences: int, started: float) -> dict:
-    """The cache's summary: counts, and the frozen model's positions per second."""
+def _summary(stats: dict, sequences: int, started: float, device: torch.device) -> dict:
+    """The cache's summary: counts, and the frozen model's positions per second, with the machine they were
+    measured on (this run's: a resumed cache's earlier parts may have run elsewhere)."""
     seconds = max(stats.get("seconds", 0.0), 1e-9)
     return {
         "sequences": sequences,
@@ -220,7 +227,17 @@ def _summary(stats: dict, sequences: int, started: float) -> dict:
         "positions_per_s": stats.get("positions", 0) / seconds,
         "scored_positions_per_s": stats.get("scored", 0) / seconds,
         "this_run_seconds": time.perf_counter() - started,
+        "measured_on": machine_label(device),
     }
+
+
+def summary_text(summary: dict) -> str:
+    """The cache's summary as one sentence."""
+    return (
+        f"{summary['sequences']} sequences, {summary['positions']} positions ({summary['scored_positions']} "
+        f"scored) at {summary['positions_per_s']:.0f} positions/s on {summary['measured_on']}; "
+        f"{human_seconds(summary['this_run_seconds'])} in this run"
+    )
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from fastdecode.exit_adapter import (
 from fastdecode.exit_report import model_perplexity
 from fastdecode.identity import weights_fingerprint
 from fastdecode.io import atomic_write_json
+from fastdecode.machine import machine_label
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokens import eos_ids
 from fastdecode_recipes.common import TrainJob, job_tokenizer
@@ -259,6 +260,7 @@ def training_stats(run: FinetuneRun, reader) -> dict:
         "scored_positions": scored,
         "epochs": epochs,
         "scored_positions_per_s": scored * epochs / seconds if seconds > 0 else None,
+        "measured_on": machine_label(run.args.device),
         "history": [h for h in run.trainer.state.log_history if "loss" in h],
     }
 

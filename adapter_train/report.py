@@ -15,10 +15,18 @@ from adapter_train.config import ExitAdapterConfig
 from fastdecode.choose import adapter_draft_costs, choose_exit, plan_decoding
 from fastdecode.cost import decoding_costs, exit_draft_cost
 from fastdecode.exit_adapter import INDEX_FILE, ExitAdapter
-from fastdecode.exit_report import adapter_generation_report, greedy_generations, model_perplexity
+from fastdecode.exit_report import (
+    adapter_agreement_text,
+    adapter_generation_report,
+    choice_sentence,
+    greedy_generations,
+    model_perplexity,
+)
 from fastdecode.identity import weights_fingerprint
 from fastdecode.io import atomic_write_json
+from fastdecode.machine import machine_label
 from fastdecode.model import EarlyExitModel
+from fastdecode.progress import phase
 from fastdecode_recipes.speed import speed_line
 
 log = logging.getLogger(__name__)
@@ -31,7 +39,9 @@ def cached_generations(model, tokenizer, prompts: list[str], max_new_tokens: int
     path = directory / f"generations-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():
         return [(ids, n) for ids, n in json.loads(path.read_text())]
-    generations = greedy_generations(model, tokenizer, prompts, max_new_tokens)
+    what = f"{len(prompts)} greedy generations of up to {max_new_tokens} tokens (cached in {directory})"
+    with phase("exit adapters' report", what, total=len(prompts), unit="prompt") as progress:
+        generations = greedy_generations(model, tokenizer, prompts, max_new_tokens, progress)
     atomic_write_json(path, generations)
     return generations
 
@@ -88,19 +98,24 @@ def report(
         "tokens_per_round": agreement["tokens_per_round"],
         "draft_costs": draft_costs,
     }
+    measured_on = machine_label(m.device)
+    log.info(
+        "exit adapters: agreement with the final layer, raw exit -> adapter: %s",
+        adapter_agreement_text(agreement),
+    )
+    log.info("exit adapters: %s", choice_sentence(choice, measured_on))
     best = choice["exit"] or (choice.get("best_found") or {}).get("exit")
     speed = {}
     if best is not None and r.speed_prompts > 0:
         atomic_write_json(stage / INDEX_FILE, index)  # the record the plan reads beside the adapter
         plan = plan_decoding(m, costs, adapter=str(stage / f"E{best}"))
         speed = speed_line(m, tokenizer, prompts, r, plan)
-    log.info("exit adapters: agreement %s, chosen %s", agreement, choice)
     return index, {
         "agreement": agreement,
         "chosen": choice,
         "raw_exit_choice": raw_choice,
         "draft_costs": draft_costs,
-        "costs": costs.to_json(),
+        "costs": costs.to_json() | {"measured_on": measured_on},
         "perplexity": ppl,
         "speed": speed,
     }

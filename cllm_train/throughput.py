@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from cllm_train.collect import CollectJob
+from fastdecode.machine import machine_label
 
 
 @torch.inference_mode()
@@ -119,4 +120,5 @@ def collect_throughput(job: CollectJob, bench_prompts: int, warmup: bool = True)
         },
     }
     report["speedup"] = report["tokens_per_s"]["ours"] / report["tokens_per_s"]["reference"]
+    report["measured_on"] = machine_label(m.device)  # what the tokens per second were measured on
     return report

@@ -81,7 +81,9 @@ def replay_rounds(matches: Sequence[Sequence[bool]], max_draft: int = MAX_REPLAY
         for seq in matches:
             j = 1
             while j < len(seq):
-                limit = min(k, len(seq) - j - 1)  # the verifier adds one token: drafts stop one short of the end
+                limit = min(
+                    k, len(seq) - j - 1
+                )  # the verifier adds one token: drafts stop one short of the end
                 accepted = 0
                 while accepted < limit and seq[j + accepted]:
                     accepted += 1
@@ -136,3 +138,18 @@ def read_record(directory: str | os.PathLike | None) -> AcceptanceRecord | None:
     return AcceptanceRecord(
         drafters, str(data.get("measured_on", "")), int(data.get("tokens", 0)), Path(directory)
     )
+
+
+def exit_record(generations: dict, *, draft_vocab: str | None, measured_on: str) -> AcceptanceRecord:
+    """The record of a model's raw exits from an exit report's ``generations`` section
+    (``fastdecode.exit_report.generation_report``): per exit but the last, with the full head, and with the
+    draft vocabulary file ``draft_vocab`` (its name beside the record) when the report scored one."""
+    drafters = []
+    for prefix, vocab_file in (("", None), ("draft_vocab_", draft_vocab)):
+        rounds = generations.get(f"{prefix}tokens_per_round") or {}
+        for exit_layer, value in (generations.get(f"{prefix}agreement") or {}).items():
+            if exit_layer in rounds:  # every exit but the last (the model itself)
+                drafters.append(
+                    DrafterRecord("exit", float(value), exit_layer, vocab_file, rounds[exit_layer])
+                )
+    return AcceptanceRecord(drafters, measured_on, int(generations.get("tokens", 0)))

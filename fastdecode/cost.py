@@ -49,6 +49,7 @@ from fastdecode.cost_store import load_measured, save_measured
 from fastdecode.engine import default_options
 from fastdecode.identity import weights_fingerprint
 from fastdecode.model import EarlyExitModel
+from fastdecode.progress import phase
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +236,7 @@ def _interleaved_minima(probes: dict, device: torch.device, repeats: int, timer:
     return {name: min(found) for name, found in times.items()}
 
 
+@phase("cost model", "timing the blocks and the head over 1 to 16 new tokens on the engine that decodes")
 @torch.inference_mode()
 def measure_costs(
     m: EarlyExitModel,

@@ -272,6 +272,17 @@ class RecordedAdapter:
     tokens_per_round: dict[int, float] = field(default_factory=dict)
 
 
+def write_adapter_record(directory: str | os.PathLike, report: dict) -> Path:
+    """Record what ``fastdecode.exit_report.adapter_generation_report`` measured (``report``: agreement raw
+    and through each adapter, tokens per round) in ``adapters.json`` of ``directory`` (a training run's
+    ``final/``, whose other fields are kept), atomically: what ``recorded_adapter`` and ``auto`` read."""
+    path = Path(directory) / INDEX_FILE
+    index = json.loads(path.read_text(encoding="utf-8"))
+    index["agreement"] = {head: report[head] for head in ("raw", "adapter")}
+    index["tokens_per_round"] = report["tokens_per_round"]
+    return atomic_write_json(path, index)
+
+
 def recorded_adapter(path: str | os.PathLike) -> RecordedAdapter:
     """An exit adapter's record without loading it: ``adapter.json`` (E) and what its training run measured
     (``adapters.json`` beside it, when there is one; a damaged one is refused by name)."""

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 
 from fastdecode.acceptance import replay_rounds
 from fastdecode.data.chat import user_prompt_ids
+from fastdecode.machine import machine_label
 from fastdecode.model import EarlyExitModel
+from fastdecode.progress import Progress, phase
 from fastdecode.tokens import IGNORE_INDEX, next_token_nll, next_token_targets, perplexity
 
 
@@ -89,8 +91,11 @@ def score_sequence(
     return agree, nll, int(mask.sum().item())
 
 
-def held_out_report(m: EarlyExitModel, examples: list[dict], max_examples: int | None = None) -> dict:
-    """Per-exit agreement and perplexity on tokenized examples (``input_ids``/``labels`` lists)."""
+def held_out_report(
+    m: EarlyExitModel, examples: list[dict], max_examples: int | None = None, progress: Progress | None = None
+) -> dict:
+    """Per-exit agreement and perplexity on tokenized examples (``input_ids``/``labels`` lists); ``progress``
+    counts the examples."""
     stats = ExitStats()
     for ex in examples[:max_examples]:
         ids = torch.tensor(ex["input_ids"], device=m.device)[None]
@@ -98,12 +103,17 @@ def held_out_report(m: EarlyExitModel, examples: list[dict], max_examples: int |
         mask = labels != IGNORE_INDEX
         if mask.any():
             stats.add(*score_sequence(m, ids, mask, labels))
+        if progress is not None:
+            progress.update()
     return stats.summary() | {"tokens": stats.tokens}
 
 
 @torch.no_grad()
-def greedy_generations(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[tuple[list, int]]:
-    """``(token ids, prompt length)`` of the model's greedy continuation of each chat prompt."""
+def greedy_generations(
+    model, tokenizer, prompts: list[str], max_new_tokens: int, progress: Progress | None = None
+) -> list[tuple[list, int]]:
+    """``(token ids, prompt length)`` of the model's greedy continuation of each chat prompt; ``progress``
+    counts the prompts."""
     out = []
     for prompt in prompts:
         ids = torch.tensor([user_prompt_ids(tokenizer, prompt)], device=model.device)
@@ -115,16 +125,22 @@ def greedy_generations(model, tokenizer, prompts: list[str], max_new_tokens: int
             pad_token_id=tokenizer.pad_token_id,
         )
         out.append((gen[0].tolist(), ids.shape[1]))
+        if progress is not None:
+            progress.update()
     return out
 
 
 @torch.no_grad()
 def generation_report(
-    m: EarlyExitModel, generations: list[tuple[list, int]], vocab: torch.Tensor | None = None
+    m: EarlyExitModel,
+    generations: list[tuple[list, int]],
+    vocab: torch.Tensor | None = None,
+    progress: Progress | None = None,
 ) -> dict:
     """Per-exit top-1 agreement with the final layer on the model's own greedy tokens (draft acceptance),
     and the tokens a round of K drafts yields (``fastdecode.acceptance.replay_rounds``); with ``vocab`` (a
-    draft vocabulary ``[S]``) the same through its rows (``draft_vocab_*``)."""
+    draft vocabulary ``[S]``) the same through its rows (``draft_vocab_*``); ``progress`` counts the
+    generations."""
     heads = {"": {}, "draft_vocab_": {}} if vocab is not None else {"": {}}
     vocab = None if vocab is None else vocab.to(m.device)
     tokens = 0
@@ -132,6 +148,8 @@ def generation_report(
         seq = torch.tensor(ids, device=m.device)[None]
         mask = torch.zeros(len(ids), dtype=torch.bool, device=m.device)
         mask[prompt_len - 1 : len(ids) - 1] = True  # predictions of the generated tokens
+        if progress is not None:
+            progress.update()
         if not mask.any():
             continue
         preds, vocab_preds, _ = exit_predictions(m, seq, mask, vocab=vocab)
@@ -253,19 +271,69 @@ def exit_report(
     max_new_tokens: int,
     *,
     max_examples: int,
+    generations: list[tuple[list, int]] | None = None,
+    name: str = "exit report",
     vocab: torch.Tensor | None = None,
 ) -> dict:
-    """Both measurements for ``model``: ``{"held_out": {...}, "generations": {...}}`` (see module doc); with
-    ``vocab`` (a draft vocabulary) the generations' agreement through its rows too."""
+    """Both measurements for ``model``: ``{"held_out": {...}, "generations": {...}}`` (see module doc), on
+    ``generations`` when given (``greedy_generations`` of ``prompts``, made once for several reports), else
+    on the model's greedy generations of ``prompts``; with ``vocab`` (a draft vocabulary) the generations'
+    agreement through its rows too. Logged as the phase ``name`` with its progress: every exit's head runs on
+    every scored position, so a report takes minutes on a CPU."""
     m = EarlyExitModel(model)
     was_training = model.training
     model.eval()
-    report = {
-        "held_out": held_out_report(m, held_out, max_examples),
-        "generations": generation_report(
-            m, greedy_generations(model, tokenizer, prompts, max_new_tokens), vocab
-        ),
-        "num_layers": m.num_layers,
-    }
+    examples = held_out[:max_examples]
+    to_generate = len(prompts) if generations is None else 0
+    scored = len(prompts) if generations is None else len(generations)
+    detail = (
+        f"{to_generate} greedy generations of up to {max_new_tokens} tokens, then " if to_generate else ""
+    )
+    detail += f"all {m.num_layers} exits scored on {scored} generations and {len(examples)} held-out examples"
+    total = to_generate + scored + len(examples)
+    with phase(name, detail, total=total, unit="sequence") as progress:
+        if generations is None:
+            generations = greedy_generations(model, tokenizer, prompts, max_new_tokens, progress)
+        report = {
+            "held_out": held_out_report(m, examples, progress=progress),
+            "generations": generation_report(m, generations, vocab, progress),
+            "num_layers": m.num_layers,
+        }
     model.train(was_training)
     return report
+
+
+def agreement_text(agreement: dict) -> str:
+    """Per-exit agreement as text, exits in order: ``"E=1 0.06, E=2 0.09, ..."``."""
+    return ", ".join(f"E={e} {agreement[e]:.2f}" for e in sorted(agreement, key=int))
+
+
+def adapter_agreement_text(report: dict) -> str:
+    """``adapter_generation_report``'s agreement as text, raw exit -> adapter: ``"E=4 0.31 -> 0.52, ..."``."""
+    raw, adapter = report["raw"], report["adapter"]
+    return ", ".join(f"E={e} {raw[e]:.2f} -> {adapter[e]:.2f}" for e in sorted(adapter, key=int))
+
+
+def choice_sentence(choice: dict, measured_on: str | None = None) -> str:
+    """``fastdecode.choose.choose_exit``'s result as one sentence naming what decided it: "recommended exit
+    E=12 with K=3 drafts, expected at 1.25x of autoregressive decoding (cost model measured on AMD EPYC, 1
+    thread)", or "no exit is expected to speed decoding up yet: the best, E=29 with K=1, is expected at 0.78x
+    of autoregressive decoding (...)". ``measured_on``: the ``fastdecode.machine.machine_label`` of where the
+    cost model was measured (None: this CPU at the current thread count)."""
+    costs = {
+        "measured": f"cost model measured on {measured_on or machine_label()}",
+        "estimated": "cost model estimated from the weights each part reads",
+    }.get(choice.get("costs"), "")
+    costs = f" ({costs})" if costs else ""
+    if choice.get("exit") is not None:
+        return (
+            f"recommended exit E={choice['exit']} with K={choice['draft']} drafts, expected at "
+            f"{choice['expected_speedup']:.2f}x of autoregressive decoding{costs}"
+        )
+    found = choice.get("best_found") or {}
+    if found.get("exit") is None:
+        return f"no exit is expected to speed decoding up yet: no exit was measured{costs}"
+    return (
+        f"no exit is expected to speed decoding up yet: the best, E={found['exit']} with K={found['draft']}, "
+        f"is expected at {found['expected_speedup']:.2f}x of autoregressive decoding{costs}"
+    )

@@ -219,8 +219,32 @@ def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
     run.stage = out / "final"
     if run.final is not None:
         atomic_write_json(out / "summary.json", run.summary)
-        log.info("%s: checkpoint %s, metrics %s", job.recipe["name"], out / "final", metrics)
+        log.info(
+            "%s: checkpoint %s; %s", job.recipe["name"], out / "final", metrics_text(metrics, args.device)
+        )
     return run
+
+
+def metrics_text(metrics: dict[str, Any], device: Any = None) -> str:
+    """The Trainer's metrics as text: the losses and other values, then each phase's time and rate with the
+    machine they were measured on (``device``: where it trained; ``"train_loss 2.31, eval_loss 2.45; train 96.2 s
+    at 0.665 samples/s, ... (AMD EPYC, 1 thread)"``)."""
+    from fastdecode.machine import machine_label
+
+    rates = ("_runtime", "_samples_per_second", "_steps_per_second")
+    values = [
+        f"{name} {value:.4g}"
+        for name, value in metrics.items()
+        if isinstance(value, (int, float)) and not name.endswith(rates) and name != "total_flos"
+    ]
+    phases = [
+        f"{name.removesuffix('_runtime')} {value:.1f} s at {metrics.get(name[:-8] + '_samples_per_second', 0):.3g} "
+        "samples/s"
+        for name, value in metrics.items()
+        if name.endswith("_runtime") and isinstance(value, (int, float))
+    ]
+    timed = f"; {', '.join(phases)} ({machine_label(device)})" if phases else ""
+    return ", ".join(values) + timed
 
 
 def optimizer_steps(args: TrainingArguments, examples: int) -> tuple[int, str]:

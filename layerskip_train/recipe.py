@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from fastdecode.acceptance import AcceptanceRecord, DrafterRecord, read_record, write_record
-from fastdecode.choose import choose_exit, plan_decoding
+from fastdecode.acceptance import exit_record, read_record, write_record
+from fastdecode.choose import Plan, choose_exit, plan_decoding
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
 from fastdecode.cost import decoding_costs
 from fastdecode.data.chat import build_datasets
@@ -24,8 +24,9 @@ from fastdecode.data.config import DataConfig
 from fastdecode.data.draft_vocab import draft_vocab_from_examples
 from fastdecode.distributed import world_size
 from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE, save_draft_vocab
-from fastdecode.exit_report import exit_report, plot_reports
+from fastdecode.exit_report import choice_sentence, exit_report, plot_reports
 from fastdecode.io import atomic_write_json
+from fastdecode.machine import machine_label
 from fastdecode.model import EarlyExitModel
 from fastdecode_recipes.common import TrainJob
 from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
@@ -98,11 +99,18 @@ def _report_set(rcfg: LayerSkipConfig, tokenizer, held_out: list[dict]) -> list[
     return build_datasets(data, tokenizer)[1]
 
 
-def _report(model, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, vocab=None) -> dict:
+def _report(model, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, when: str, vocab=None) -> dict:
     r = rcfg.report
     prompts = [ex["prompt"] for ex in held_out if ex.get("prompt")][: r.prompts]
     return exit_report(
-        model, tokenizer, held_out, prompts, r.max_new_tokens, max_examples=r.held_out_examples, vocab=vocab
+        model,
+        tokenizer,
+        held_out,
+        prompts,
+        r.max_new_tokens,
+        max_examples=r.held_out_examples,
+        name=f"exit report {when} training",
+        vocab=vocab,
     )
 
 
@@ -147,7 +155,9 @@ class LayerSkip(Recipe):
 
     def before_report(self, model, tokenizer, held_out: list[dict]) -> dict | None:
         r = self.rcfg.report
-        return _report(model, tokenizer, self.report_set, self.rcfg) if r.enabled and r.before else None
+        if not (r.enabled and r.before):
+            return None
+        return _report(model, tokenizer, self.report_set, self.rcfg, "before")
 
     def after_report(self, run: FinetuneRun) -> dict:
         vocab = _write_draft_vocab(run.train, run.tokenizer, self.rcfg, run.stage)
@@ -167,13 +177,10 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
     return finetune(job, cfg, LayerSkip(job)).summary
 
 
-def _speed_line(
-    m: EarlyExitModel, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, stage: Path, costs
-):
+def _speed_line(m: EarlyExitModel, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, plan: Plan):
     """The closing speed table: the decoders the cost model expects to pay with the acceptance this
-    checkpoint records (``fastdecode.choose.plan_decoding`` on the record in the export's staging directory)
-    against autoregressive decoding, on a few held-out prompts."""
-    plan = plan_decoding(m, costs, record=read_record(stage))
+    checkpoint records (``plan``: ``fastdecode.choose.plan_decoding`` on the record in the export's staging
+    directory) against autoregressive decoding, on a few held-out prompts."""
     prompts = [ex["prompt"] for ex in held_out if ex.get("prompt")]
     return speed_line(m, tokenizer, prompts, rcfg.report, plan)
 
@@ -191,28 +198,28 @@ def _write_draft_vocab(
     return torch.as_tensor(ids, dtype=torch.long)
 
 
-def _write_record(stage: Path, generations: dict, prompts: int) -> None:
-    """``acceptance.json`` (``fastdecode/acceptance.py``) in the export's staging directory: per exit, with
-    the full head and with the draft vocabulary, what the after-training report measured."""
-    drafters = []
-    for prefix, vocab_file in (("", None), ("draft_vocab_", DRAFT_VOCAB_FILE)):
-        rounds = generations.get(f"{prefix}tokens_per_round") or {}
-        for exit_layer, value in (generations.get(f"{prefix}agreement") or {}).items():
-            if exit_layer in rounds:  # every exit but the last (the model itself)
-                drafters.append(DrafterRecord("exit", float(value), exit_layer, vocab_file, rounds[exit_layer]))
-    measured_on = f"the model's own greedy answers to {prompts} held-out prompts, after training"
-    write_record(stage, AcceptanceRecord(drafters, measured_on, int(generations.get("tokens", 0))))
+def exit_message(choice: dict, plan: Plan | None, measured_on: str | None = None) -> str:
+    """The exit choice as one sentence: what was recorded, why, and what ``method=auto`` decodes with."""
+    exit_layer = choice["exit"]
+    if choice["source"] == "config":
+        text = f"exit E={exit_layer} from recipe.exit_layer, recorded in fastdecode.json"
+    elif choice["source"] == "no report":
+        text = "no exit recorded: the exit report is off (recipe.report.enabled=false)"
+    else:
+        text = choice_sentence(choice, measured_on)
+        text += "; no exit recorded" if exit_layer is None else ", recorded in fastdecode.json"
+    if plan is not None:
+        text += f"; method=auto decodes with {plan.best.name.replace('_', ' ')}"
+    return text
 
 
-def _record_exit(final, stage: Path, choice: dict, rcfg: LayerSkipConfig) -> None:
+def _record_exit(final, stage: Path, choice: dict, rcfg: LayerSkipConfig, plan: Plan | None) -> None:
     """E goes into ``fastdecode.json`` (``LayerSkip.describe``); into ``generation_config.json`` only when
     ``recipe.export.hf_assistant_early_exit`` opts in, since transformers then self-speculates inside every
-    ``generate`` (batch size 1 only). Without the opt-in, one inherited from the base model is removed too."""
+    ``generate`` (batch size 1 only). Without the opt-in, one inherited from the base model is removed too.
+    No exit expected to pay is the usual outcome of a short CPU run, so it is logged at INFO like a choice."""
     exit_layer = choice["exit"]
-    if exit_layer is None:
-        log.warning("no exit is expected to speed decoding up yet (%s); no exit recorded", choice)
-    else:
-        log.info("recommended exit E=%s (%s), recorded in fastdecode.json", exit_layer, choice["source"])
+    log.info("%s", exit_message(choice, plan, machine_label(final.device)))
     hf_exit = int(exit_layer) if rcfg.export.hf_assistant_early_exit and exit_layer is not None else None
     if hf_exit is not None or getattr(final.generation_config, "assistant_early_exit", None) is not None:
         final.generation_config.assistant_early_exit = hf_exit
@@ -230,13 +237,16 @@ def _finish(run: FinetuneRun, held_out, rcfg: LayerSkipConfig, vocab: torch.Tens
     and the recommended exit (written into the export's staging directory, so ``final/`` carries them), report
     JSON + plot in the run directory, the closing speed table."""
     final, tokenizer, stage, out = run.final, run.tokenizer, run.stage, run.out
-    after = _report(final, tokenizer, held_out, rcfg, vocab) if rcfg.report.enabled else None
+    after = _report(final, tokenizer, held_out, rcfg, "after", vocab) if rcfg.report.enabled else None
     generations = after["generations"] if after is not None else None
     agreement = generations["agreement"] if generations is not None else None
     m = EarlyExitModel(final)
     costs = decoding_costs(m) if agreement is not None else None
     if generations is not None:
-        _write_record(stage, generations, min(rcfg.report.prompts, len(held_out)))
+        prompts = min(rcfg.report.prompts, len(held_out))
+        measured_on = f"the model's own greedy answers to {prompts} held-out prompts, after training"
+        write_record(stage, exit_record(generations, draft_vocab=DRAFT_VOCAB_FILE, measured_on=measured_on))
+    plan = plan_decoding(m, costs, record=read_record(stage)) if costs is not None else None
     if rcfg.exit_layer is not None:
         choice = {"exit": rcfg.exit_layer, "source": "config"}
     elif agreement is not None:
@@ -245,11 +255,13 @@ def _finish(run: FinetuneRun, held_out, rcfg: LayerSkipConfig, vocab: torch.Tens
         choice["source"] = "exit report"
     else:
         choice = {"exit": None, "source": "no report"}
-    _record_exit(final, stage, choice, rcfg)
+    _record_exit(final, stage, choice, rcfg, plan)
     report = {"before": run.before, "after": after, "recommended": choice}
     if costs is not None:
-        report["costs"] = costs.to_json()
-        report["speed"] = _speed_line(m, tokenizer, held_out, rcfg, stage, costs)
+        report["costs"] = costs.to_json() | {
+            "measured_on": machine_label(m.device)
+        }  # speeds name the machine
+        report["speed"] = _speed_line(m, tokenizer, held_out, rcfg, plan)
     atomic_write_json(out / "exit_report.json", report)
     if run.before and after:
         plot_reports({"before": run.before, "after": after}, str(out / "exit_report.png"))

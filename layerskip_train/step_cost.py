@@ -18,6 +18,7 @@ import torch
 
 from fastdecode.config import ModelConfig, load_group
 from fastdecode.loading import load_model
+from fastdecode.machine import machine_label
 
 VARIANTS = {  # LayerSkip step kinds: recipe.* overrides of configs/recipe/layerskip.yaml
     # The recipe's default: strided exits over every layer (every 4th layer a step), exp dropout 0.1.
@@ -137,6 +138,9 @@ def compare(shape: StepShape, times: dict[str, list[float]], memory: dict[str, f
         "seq": shape.seq,
         "steps": shape.steps,
         "device": "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)",
+        "measured_on": machine_label(
+            "cuda" if torch.cuda.is_available() else None
+        ),  # the step times' machine
         "kinds": {
             k: {
                 "median_s": statistics.median(times[k]),

@@ -128,6 +128,9 @@ def test_bad_input_fails_clearly(tmp_path):
 def test_throughput_benchmark_matches_the_reference(tmp_path):
     report = run_throughput(collect_cfg(tmp_path, "+bench_prompts=3", "+warmup=true", "max_new_seq_len=12"))
     assert report["records"]["ours"] == report["records"]["reference"] == report["same_states"] > 0
+    from fastdecode.machine import machine_label
+
+    assert report["measured_on"] == machine_label()  # tokens per second name the CPU and its threads
 
 
 @pytest.mark.distributed

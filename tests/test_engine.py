@@ -306,7 +306,11 @@ def test_engine_benchmark_writes_its_report(tmp_path):
     assert entry["forward"]["paths"]["engine"]["model"]["2"]["vs_hf_T1"] > 0
     ar = entry["autoregressive"]["batch1"]
     assert all(r["tokens_equal_hf_generate"] for r in ar.values())  # every path decodes like HF generate
-    assert "Forward cost" in (tmp_path / "engine.md").read_text()
+    from fastdecode.machine import machine_label
+
+    markdown = (tmp_path / "engine.md").read_text()
+    assert "Forward cost" in markdown
+    assert f"## {machine_label(threads=1)}: bandwidth" in markdown  # the tok/s name the CPU and its threads
     assert result["model"] == "tiny-llama"
     assert tiny_model("tiny-llama")[0].training is False
 

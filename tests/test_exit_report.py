@@ -4,6 +4,7 @@ tests/test_cost.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,21 +39,19 @@ def test_agreement_on_own_generations_counts_generated_tokens(tiny_llama):
     assert report["agreement"][m.num_layers] == 1.0  # greedy tokens are the final layer's argmax
 
 
-def test_eval_exits_entry_point_writes_json_and_plot(tmp_path):
+def run_exits(tmp_path, *overrides: str) -> dict:
+    """``eval/exits.py`` on a 12-conversation chat jsonl (3 held out), 2 prompts of 5 new tokens."""
     from eval.exits import run
 
     data = write_chat_jsonl(tmp_path / "chat.jsonl", n=12)
-    overrides = [
-        "model=tiny-llama",
-        "data=jsonl",
-        f"data.path={data}",
-        "data.held_out=3",
-        "prompts=2",
-        "max_new_tokens=5",
-        f"output_dir={tmp_path / 'out'}",
-    ]
+    base = ["data=jsonl", f"data.path={data}", "data.held_out=3", "prompts=2", "max_new_tokens=5"]
+    base.append(f"output_dir={tmp_path / 'out'}")
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        reports = run(compose(config_name="exits", overrides=overrides))
+        return run(compose(config_name="exits", overrides=[*overrides, *base]))
+
+
+def test_eval_exits_entry_point_writes_json_and_plot(tmp_path):
+    reports = run_exits(tmp_path, "model=tiny-llama")
     saved = json.loads((tmp_path / "out" / "exits.json").read_text())
     assert saved["model"]["generations"]["agreement"]["4"] == 1.0
     assert set(reports["model"]["held_out"]["perplexity"]) == {1, 2, 3, 4}
@@ -62,3 +61,91 @@ def test_eval_exits_entry_point_writes_json_and_plot(tmp_path):
         saved["model"]["costs"]["source"] == "measured"
         and saved["model"]["recommended"]["costs"] == "measured"
     )
+
+
+def test_eval_exits_measures_the_cost_model_once_and_generates_once_per_model(tmp_path, monkeypatch):
+    """A checkpoint, its base and an exit adapter: one cost-model measurement for the run (the two models
+    have one shape), one set of greedy generations per model (the adapter report scores the exit report's),
+    and every expected speedup printed as a sentence naming the machine it was measured on."""
+    import dataclasses
+
+    import fastdecode.cost
+    import fastdecode.exit_report
+    from fastdecode.checkpoint_info import write_sidecar
+    from fastdecode.config import ModelConfig, load_group
+    from fastdecode.machine import machine_label
+    from fastdecode_cli.exits import summary_lines
+    from tests.helpers import tiny_llama_adapter, tiny_model
+
+    model, tokenizer = tiny_model("tiny-llama")
+    checkpoint = tmp_path / "final"
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    base = dataclasses.asdict(load_group("model", "tiny-llama", ModelConfig))
+    write_sidecar(checkpoint, recipe="layerskip", run_name="layerskip-tiny-llama", base_model=base)
+    calls = {"measure_costs": 0, "greedy_generations": 0}
+
+    def counted(name, original):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setenv("FASTDECODE_COSTS", str(tmp_path / "costs"))  # none measured before on disk
+    monkeypatch.setattr(
+        fastdecode.cost, "measure_costs", counted("measure_costs", fastdecode.cost.measure_costs)
+    )
+    monkeypatch.setattr(
+        fastdecode.exit_report,
+        "greedy_generations",
+        counted("greedy_generations", fastdecode.exit_report.greedy_generations),
+    )
+    adapter = tiny_llama_adapter(tmp_path, 2)
+    reports = run_exits(tmp_path, "model=checkpoint", f"checkpoint={checkpoint}", f"adapter={adapter}")
+    assert set(reports) == {"base", "checkpoint"} and "adapters" in reports["checkpoint"]
+    assert calls == {"measure_costs": 1, "greedy_generations": 2}
+    assert reports["base"]["costs"] == reports["checkpoint"]["costs"]  # one measurement, shared
+    assert reports["checkpoint"]["adapters"]["recommended"]["costs"] == "measured"
+    lines = summary_lines(reports)
+    assert not any("{" in line for line in lines)  # sentences, no dict
+    assert sum(f"(cost model measured on {machine_label()})" in line for line in lines) == 3
+
+
+def test_eval_exits_records_what_auto_reads(tmp_path):
+    """``record=true``: the checkpoint's ``acceptance.json`` (every exit with the full head and with its
+    ``draft_vocab.json``) and the adapters' ``adapters.json`` (agreement, tokens per round), which the plan
+    then prices; without a checkpoint or adapter it is refused before any work."""
+    import dataclasses
+
+    import torch
+
+    from fastdecode.acceptance import read_record
+    from fastdecode.checkpoint_info import write_sidecar
+    from fastdecode.config import ConfigError, ModelConfig, load_group
+    from fastdecode.draft_vocab_file import save_draft_vocab
+    from fastdecode.exit_adapter import recorded_adapter
+    from tests.helpers import tiny_llama_adapter, tiny_model
+
+    model, tokenizer = tiny_model("tiny-llama")
+    checkpoint = tmp_path / "final"
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    base = dataclasses.asdict(load_group("model", "tiny-llama", ModelConfig))
+    write_sidecar(checkpoint, recipe="layerskip", run_name="layerskip-tiny-llama", base_model=base)
+    save_draft_vocab(checkpoint / "draft_vocab.json", torch.arange(60), vocab_size=model.config.vocab_size)
+    adapter = Path(tiny_llama_adapter(tmp_path / "adapters", 2))  # a training run's final/: adapters.json
+    (adapter.parent / "adapters.json").write_text(json.dumps({"adapters": {"2": adapter.name}, "chosen": 2}))
+    with pytest.raises(ConfigError, match="record=true writes acceptance.json"):
+        run_exits(tmp_path, "model=tiny-llama", "record=true")
+    with pytest.raises(ConfigError, match="record=true with adapter=.*run's final/"):
+        run_exits(tmp_path, f"checkpoint={checkpoint}", f"adapter={adapter}", "record=true")
+    run_exits(
+        tmp_path, "model=checkpoint", f"checkpoint={checkpoint}", f"adapter={adapter.parent}", "record=true"
+    )
+    record = read_record(checkpoint)
+    heads = {(d.exit_layer, d.draft_vocab) for d in record.find("exit")}
+    assert heads == {(e, v) for e in (1, 2, 3) for v in (None, "draft_vocab.json")}
+    assert all(set(d.tokens_per_round) == set(range(1, 9)) for d in record.drafters)
+    found = recorded_adapter(str(adapter))
+    assert found.agreement is not None and set(found.tokens_per_round) == set(range(1, 9))

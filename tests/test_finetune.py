@@ -143,3 +143,14 @@ def test_sft_checks_the_deepspeed_batch_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr("fastdecode_recipes.finetune.load_model", lambda *a, **k: pytest.fail("model loaded"))
     with pytest.raises(ConfigError, match=r"train_batch_size=999 but micro batch"):
         fastdecode_recipes.run(cfg)
+
+
+def test_the_closing_metrics_are_text_with_the_machine_beside_the_rates():
+    from fastdecode.machine import machine_label
+    from fastdecode_recipes.finetune import metrics_text
+
+    metrics = {"train_runtime": 96.2, "train_samples_per_second": 0.665, "train_steps_per_second": 0.2}
+    metrics |= {"total_flos": 1e12, "train_loss": 2.3123, "eval_loss": 2.45}
+    assert metrics_text(metrics, "cpu") == (
+        f"train_loss 2.312, eval_loss 2.45; train 96.2 s at 0.665 samples/s ({machine_label('cpu')})"
+    )

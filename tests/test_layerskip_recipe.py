@@ -116,15 +116,45 @@ def test_opting_in_writes_the_exit_into_generation_config(tmp_path):
 
 
 @pytest.mark.parametrize("useful", [True, False])
-def test_the_exit_choice_from_the_report_goes_into_the_sidecar(tmp_path, monkeypatch, useful):
+def test_the_exit_choice_from_the_report_goes_into_the_sidecar(tmp_path, monkeypatch, caplog, useful):
     import layerskip_train.recipe as recipe
+    from fastdecode.machine import machine_label
 
+    found = {"exit": 3, "draft": 1, "expected_speedup": 0.78}  # what choose_exit returns when none pays
     fake = {"exit": 3, "draft": 2, "expected_speedup": 1.4} if useful else {"exit": None, "draft": 0}
+    fake |= {"costs": "measured"} | ({} if useful else {"expected_speedup": 1.0, "best_found": found})
     monkeypatch.setattr(recipe, "choose_exit", lambda agreement, costs, **kw: dict(fake))
-    summary = fastdecode_recipes.run(layerskip_cfg(tmp_path))
+    with caplog.at_level("INFO", logger="layerskip_train.recipe"):
+        summary = fastdecode_recipes.run(layerskip_cfg(tmp_path))
     saved = json.loads((Path(summary["checkpoint"]) / "fastdecode.json").read_text())["exit_layer"]
     assert saved == fake["exit"] == summary["recommended_exit"]["exit"]  # None: no exit recorded
     assert GenerationConfig.from_pretrained(summary["checkpoint"]).assistant_early_exit is None
+    # One plain sentence at INFO (no exit paying is the usual outcome of a short CPU run), no dict in it.
+    [record] = [r for r in caplog.records if "of autoregressive decoding" in r.getMessage()]
+    message, machine = record.getMessage(), f"(cost model measured on {machine_label()})"
+    assert record.levelname == "INFO" and "{" not in message and machine in message
+    if useful:
+        assert message.startswith("recommended exit E=3 with K=2 drafts, expected at 1.40x of autoregressive")
+    else:
+        assert message.startswith(
+            "no exit is expected to speed decoding up yet: the best, E=3 with K=1, is expected at 0.78x of "
+            f"autoregressive decoding {machine}; no exit recorded; method=auto decodes with prompt lookup"
+        )
+
+
+def test_the_training_log_lists_the_exits_in_order(tmp_path):
+    """A log spanning two steps of the strided curriculum (exit 1, then exit 2; the last always) lists
+    loss/exit_E in increasing E, as the Trainer prints it, not in the order the curriculum trained them."""
+    from fastdecode_recipes.common import load_job
+    from fastdecode_recipes.finetune import finetune
+    from layerskip_train.recipe import LayerSkip
+
+    cfg = layerskip_cfg(tmp_path, "recipe.report.enabled=false", "trainer.logging_steps=2")
+    job = load_job(cfg)
+    logs = [h for h in finetune(job, cfg, LayerSkip(job)).trainer.state.log_history if "loss" in h]
+    exits = [[k for k in h if k.startswith("loss/exit_")] for h in logs]  # in the order they are printed
+    assert len(exits) == 2 and exits[0] == ["loss/exit_1", "loss/exit_2", "loss/exit_4"]
+    assert all(e == sorted(e, key=lambda k: int(k.rsplit("_", 1)[1])) for e in exits)
 
 
 # torchtune's rotational curriculum on one candidate exit of the 4-layer model: exits {1,3} {2,3} {3} {0,3};

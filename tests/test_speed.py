@@ -102,7 +102,12 @@ def test_end_to_end_on_tiny_llama(tmp_path):
     assert saved["plan"] is None and saved["categories"] is None and saved["category_summary"] == []
     with open(out / "summary.csv") as f:
         assert [row["method"] for row in csv.DictReader(f)] == names
-    assert "| hf_early_exit |" in (out / "speed.md").read_text()
+    markdown = (out / "speed.md").read_text()
+    assert "| hf_early_exit |" in markdown
+    from fastdecode.machine import machine_label
+
+    assert f"Measured on {machine_label()} (" in markdown  # the tok/s name the CPU and the threads
+    assert saved["meta"]["hardware"]["machine"] == machine_label()
     for plot in ("speedup.png", "accept_hist.png", "oracle.png"):
         assert (out / plot).stat().st_size > 0
     assert result["summary"][0]["method"] == "autoregressive"

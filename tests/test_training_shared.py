@@ -14,7 +14,7 @@ from transformers import Trainer, TrainingArguments
 from fastdecode.cache import attention_mask
 from fastdecode.tokens import IGNORE_INDEX, next_token_nll, next_token_targets, perplexity
 from fastdecode.training.draws import draw_generator, row_uniforms
-from fastdecode.training.trainer_logs import ComponentLogsMixin
+from fastdecode.training.trainer_logs import ComponentLogsMixin, RunningMeans
 from fastdecode.training.wrapped_lm import causal_mask_from_padding
 
 
@@ -101,3 +101,19 @@ def test_component_losses_are_logged_in_training_and_in_evaluation(tmp_path):
     assert metrics["eval_loss/double"] == pytest.approx(2 * metrics["eval_loss"], abs=1e-4)
     assert "loss/first" not in metrics  # evaluation never feeds the training means
     assert trainer.state.log_history[-1]["eval_loss/first"] == metrics["eval_loss/first"]
+
+
+def test_component_means_come_out_by_exit_whatever_order_the_curriculum_added_them():
+    means = RunningMeans()
+    means.add({"loss/exit_12": 1.0, "loss/exit_3": 1.0, "kl/exit_3": 1.0, "loss/exit_30": 1.0})
+    means.add({"loss/exit_4": 2.0, "kl/exit_4": 2.0, "loss/exit_30": 3.0})
+    out = means.pop()
+    assert list(out) == [
+        "loss/exit_3",
+        "loss/exit_4",
+        "loss/exit_12",
+        "loss/exit_30",
+        "kl/exit_3",
+        "kl/exit_4",
+    ]
+    assert out["loss/exit_30"] == 2.0 and means.pop() == {}

@@ -87,8 +87,12 @@ def _header(job: EngineJob, m: EarlyExitModel) -> dict[str, Any]:
 def _measure_threads(m: EarlyExitModel, job: EngineJob) -> dict[str, Any]:
     """Every measurement of the job at the current thread count."""
     from fastdecode.loading import load_model
+    from fastdecode.machine import machine_label
 
-    entry: dict[str, Any] = {"machine": machine(m.device, job.bandwidth_mb)}
+    entry: dict[str, Any] = {
+        "measured_on": machine_label(m.device),
+        "machine": machine(m.device, job.bandwidth_mb),
+    }
     entry["forward"] = forward_costs(m, job)
     engine = m.use_engine(path_options("engine", m.device))
     entry["engine_build_seconds"] = engine.build_seconds if engine else None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def to_markdown(result: dict) -> str:
-    """The Markdown of a result of ``fastdecode.bench.engine.run`` (one section per thread count)."""
+    """The Markdown of a result of ``fastdecode.bench.engine.run`` (one section per thread count, headed by the
+    machine it was measured on: ``fastdecode.machine.machine_label``)."""
     job = result["job"]
     lines = [
         f"# Execution engine: {result['model']} ({result['dtype']}, {result['device']}, {result['cpu']})",
@@ -17,7 +18,7 @@ def to_markdown(result: dict) -> str:
         mach = entry["machine"]
         lines += [
             "",
-            f"## {threads} thread(s): bandwidth {mach['bandwidth_gb_s']:.1f} GB/s, fp32 GEMM "
+            f"## {entry.get('measured_on') or f'{threads} thread(s)'}: bandwidth {mach['bandwidth_gb_s']:.1f} GB/s, fp32 GEMM "
             f"{mach['gemm_gflop_s']:.0f} GFLOP/s",
             "",
         ]

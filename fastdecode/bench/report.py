@@ -28,7 +28,7 @@ import torch
 from fastdecode.bench.categories import category_table
 from fastdecode.bench.plots import plot_all
 from fastdecode.io import atomic_write_text
-from fastdecode.machine import cpu_name
+from fastdecode.machine import cpu_name, machine_label
 
 ROOT = Path(__file__).resolve().parents[2]
 MD_COLUMNS = [
@@ -71,6 +71,7 @@ def environment(job: Any, model: Any, exit_source: str) -> dict:
     device = model.device
     hardware = {"device": str(device), "cpu": cpu_name(), "cpu_cores": os.cpu_count()}
     hardware["torch_threads"] = torch.get_num_threads()
+    hardware["machine"] = machine_label(device)  # "AMD EPYC, 1 thread": beside every figure of speed.md
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         hardware |= {"gpu": props.name, "gpu_memory_gb": round(props.total_memory / 2**30, 1)}
@@ -129,9 +130,7 @@ def auto_line(result: dict) -> str | None:
     if not plan:
         return None
     planned = ", ".join(f"{c['name']} (expected {c['expected_speedup']:.2f}x)" for c in plan["candidates"])
-    best = {
-        (row["temperature"], row["batch_size"]): row for row in result["summary"] if row.get("auto_best")
-    }
+    best = {(row["temperature"], row["batch_size"]): row for row in result["summary"] if row.get("auto_best")}
     ran = []
     for row in result["summary"]:
         top = best.get((row["temperature"], row["batch_size"]))
@@ -161,13 +160,15 @@ def _method_cell(row: dict) -> str:
 def to_markdown(result: dict) -> str:
     """The summary table, the skipped methods and the oracle report as Markdown."""
     meta, hw = result["meta"], result["meta"]["hardware"]
-    where = hw.get("gpu") or f"{hw['cpu']} ({hw['cpu_cores']} cores, {hw['torch_threads']} threads)"
+    where = hw.get("machine") or hw.get("gpu") or f"{hw['cpu']}, {hw['torch_threads']} threads"
+    cores = "" if hw.get("gpu") else f" ({hw['cpu_cores']} logical cores)"
     config = meta["config"]
     lines = [
         f"# Speed: {config['model']['name']} on {config['data']['name']}",
         "",
-        f"{len(result['prompts'])} prompts, max_new_tokens={config['max_new_tokens']}, repeats={config['repeats']}, "
-        f"{meta['dtype']} on {where}; torch {meta['torch']}, transformers {meta['transformers']}, "
+        f"Measured on {where}{cores}, {meta['dtype']}: {len(result['prompts'])} prompts, "
+        f"max_new_tokens={config['max_new_tokens']}, repeats={config['repeats']}; torch {meta['torch']}, "
+        f"transformers {meta['transformers']}, "
         f"git {str(meta['git']['commit'])[:10]}{' (dirty)' if meta['git']['dirty'] else ''}.",
         "",
         "| " + " | ".join(title for title, _, _ in MD_COLUMNS) + " |",

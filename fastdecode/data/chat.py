@@ -20,6 +20,7 @@ from fastdecode.config import ConfigError
 from fastdecode.data.config import DataConfig, check_trainable
 from fastdecode.data.sources import read_records_with_stats
 from fastdecode.data.splits import split_records
+from fastdecode.progress import Progress, phase
 from fastdecode.tokens import IGNORE_INDEX
 
 __all__ = [
@@ -203,10 +204,15 @@ def collate(
     return batch
 
 
-def _tokenize_all(records: list[dict], tokenizer: Any, cfg: DataConfig) -> tuple[list[dict], int, int]:
-    """Tokenized examples, how many were truncated, how many dropped for having no label token left."""
+def _tokenize_all(
+    records: list[dict], tokenizer: Any, cfg: DataConfig, progress: Progress | None = None
+) -> tuple[list[dict], int, int]:
+    """Tokenized examples, how many were truncated, how many dropped for having no label token left;
+    ``progress`` counts the records."""
     out, truncated, dropped = [], 0, 0
     for rec in records:
+        if progress is not None:
+            progress.update()
         ex = tokenize_conversation(tokenizer, rec["messages"], cfg.max_length + 1, cfg.assistant_only_loss)
         if len(ex["input_ids"]) > cfg.max_length:
             truncated += 1
@@ -230,7 +236,10 @@ def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[list[dict], list[di
     train_recs, held_recs, _ = split_records(records, cfg.held_out, cfg.split_seed, cfg.grounded)
     if cfg.max_samples is not None:
         train_recs = train_recs[: cfg.max_samples]
-    train, truncated, dropped = _tokenize_all(train_recs, tokenizer, cfg)
+    n = len(train_recs)
+    what = f"tokenizing {n} training conversation{'s' if n != 1 else ''}"
+    with phase(f"data '{cfg.name}'", what, total=n, unit="conversation", logger=logger) as progress:
+        train, truncated, dropped = _tokenize_all(train_recs, tokenizer, cfg, progress)
     held, _, held_dropped = _tokenize_all(held_recs, tokenizer, cfg)
     if not train:
         cleaning = ", ".join(f"{n} {why}" for why, n in sorted(stats.dropped.items())) or "none"

@@ -5,18 +5,32 @@ AR). The module returns them next to ``loss``; ``ComponentLogsMixin`` averages t
 the last log and adds the means to it: ``loss/exit_4`` in a training log, ``eval_loss/exit_4`` in the
 metrics of ``evaluate()`` (and so in its log line and its return value).
 
-The means are this process's own (rank 0 logs), as the Trainer's ``loss`` between two logs is.
+The means are this process's own (rank 0 logs), as the Trainer's ``loss`` between two logs is. They are
+logged in a fixed order, not in the order the parts first appeared: numbered names in increasing number
+(``loss/exit_4`` before ``loss/exit_12`` whatever order a curriculum trained the exits in), ``log_order``.
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["ComponentLogsMixin", "RunningMeans"]
+__all__ = ["ComponentLogsMixin", "RunningMeans", "log_order"]
+
+
+def log_order(names: Iterable[str]) -> list[str]:
+    """``names`` grouped by family (the name without its trailing number: ``loss/exit_``, ``kl/exit_``,
+    ``loss/consistency``), families in first-seen order, each family's names in increasing number."""
+    families: dict[str, list[tuple[int, str]]] = {}
+    for name in names:
+        match = re.fullmatch(r"(.*?)(\d+)", name)
+        family, number = (match.group(1), int(match.group(2))) if match else (name, -1)
+        families.setdefault(family, []).append((number, name))
+    return [name for members in families.values() for _, name in sorted(members)]
 
 
 class RunningMeans:
@@ -32,8 +46,9 @@ class RunningMeans:
             self._counts[name] += 1
 
     def pop(self) -> dict[str, float]:
-        """``{name: mean}`` rounded to 4 digits (as the Trainer rounds ``loss``); empty when nothing was added."""
-        means = {name: round(total / self._counts[name], 4) for name, total in self._sums.items()}
+        """``{name: mean}`` rounded to 4 digits (as the Trainer rounds ``loss``), in ``log_order``; empty when
+        nothing was added."""
+        means = {name: round(self._sums[name] / self._counts[name], 4) for name in log_order(self._sums)}
         self._sums.clear()
         self._counts.clear()
         return means
