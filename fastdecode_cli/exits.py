@@ -50,6 +50,7 @@ def run(cfg: Any) -> dict:
     check_data_files(job.data)  # before any model loads
     check_writable(job.output_dir)
     targets = report_targets(job)  # a model that contradicts the checkpoint fails here, before any report
+    adapters = adapter_dirs(job) if job.adapter else []  # a bad index or mixed vocabularies: here too
     reports, held_out = {}, None
     for label, model_cfg in targets.items():
         model, tokenizer = load_model(model_cfg)
@@ -64,7 +65,7 @@ def run(cfg: Any) -> dict:
         reports[label]["recommended"] = choose_exit(agreement, costs, max_draft=job.max_draft)
         reports[label]["costs"] = costs.to_json()
         if job.adapter and label != "base":
-            reports[label]["adapters"] = adapter_report(model, tokenizer, job, prompts)
+            reports[label]["adapters"] = adapter_report(model, tokenizer, job, prompts, adapters)
     out = Path(job.output_dir)
     atomic_write_json(out / "exits.json", reports)
     plot_reports(reports, str(out / "exits.png"))
@@ -90,29 +91,33 @@ def report_targets(job: ExitsJob) -> dict[str, ModelConfig]:
     return {"checkpoint": after}
 
 
-def adapter_report(model, tokenizer, job: ExitsJob, prompts: list[str]) -> dict:
-    """Raw exit vs exit adapter on the model's own greedy generations, and the head-aware choice."""
-    import json
+def adapter_dirs(job: ExitsJob) -> list[Path]:
+    """The adapter directories ``adapter=`` names (a training run: every exit's), their records read and their
+    draft vocabularies compared before any model loads (the report scores them all on one)."""
+    from fastdecode.exit_adapter import INDEX_FILE, AdapterError, read_index, read_meta
 
+    root = Path(job.adapter)
+    dirs = (
+        [root / n for n in read_index(root)["adapters"].values()] if (root / INDEX_FILE).is_file() else [root]
+    )
+    if len({(read_meta(d).get("draft_vocab") or {}).get("sha256") for d in dirs}) > 1:
+        raise AdapterError(
+            f"the adapters under {root} use different draft vocabularies, and the report scores them on one: "
+            f"report them one by one (adapter={root}/E<exit>)."
+        )
+    return dirs
+
+
+def adapter_report(model, tokenizer, job: ExitsJob, prompts: list[str], dirs: list[Path]) -> dict:
+    """Raw exit vs exit adapter (``dirs``) on the model's own greedy generations, and the head-aware choice."""
     from fastdecode.choose import adapter_draft_costs, choose_exit
     from fastdecode.cost import decoding_costs
-    from fastdecode.exit_adapter import INDEX_FILE, load_adapter
+    from fastdecode.exit_adapter import load_adapter
     from fastdecode.exit_report import adapter_generation_report, greedy_generations
     from fastdecode.model import EarlyExitModel
 
     m = EarlyExitModel(model)
-    root = Path(job.adapter)
-    if (root / INDEX_FILE).is_file():  # a training run: every exit's adapter
-        names = json.loads((root / INDEX_FILE).read_text())["adapters"]
-        dirs = [root / name for name in names.values()]
-    else:
-        dirs = [root]
     loaded = [load_adapter(d, m, tokenizer) for d in dirs]
-    vocabs = {None if ids is None else tuple(ids.tolist()) for _, _, ids in loaded}
-    if len(vocabs) > 1:
-        raise ValueError(
-            f"the adapters under {root} use different draft vocabularies; report them one by one"
-        )
     vocab = loaded[0][2]
     adapters = {a.exit_layer: a for a, _, _ in loaded}
     generations = greedy_generations(model, tokenizer, prompts, job.max_new_tokens)
