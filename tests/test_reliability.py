@@ -536,6 +536,15 @@ def test_speed_and_exits_check_exit_layer_and_data_before_loading(tmp_path, monk
     cfg = speed_cfg("model=tiny-llama", "exit_layer=99", f"output_dir={tmp_path}", "n_prompts=1", selected)
     with pytest.raises(ConfigError, match=r"exit layer 99 must be in \[1, 3\] \(the model has 4 layers\)"):
         run_speed(cfg)
+    # No selected method drafts at E: a value that is no exit of this model is still refused, and so is a
+    # max_new_tokens that leaves no room for a prompt in the model's context
+    unused = ("model=tiny-llama", f"output_dir={tmp_path}", "decoder=[autoregressive]", "hf_baseline=null")
+    with pytest.raises(ConfigError, match=r"exit_layer=99 must be in \[1, 3\] \(the model has 4 layers\)"):
+        run_speed(speed_cfg(*unused, "exit_layer=99"))
+    with pytest.raises(
+        ConfigError, match=r"max_new_tokens=1000000 exceeds the model's context of 512 positions"
+    ):
+        run_speed(speed_cfg(*unused, "max_new_tokens=1000000"))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(
             config_name="exits", overrides=["model=tiny-llama", "data=jsonl", "data.path=/missing.jsonl"]
