@@ -102,7 +102,8 @@ def test_a_method_that_is_no_name_and_too_many_new_tokens_are_named(fd):
     with pytest.raises(ConfigError, match=message):
         fd.generate("hi", max_new_tokens=10**9, method="autoregressive")
     with pytest.raises(
-        ConfigError, match=rf"prompt 0 \(\d+ tokens\) and max_new_tokens={context - 2} exceed"
+        ConfigError,
+        match=rf"prompt 0 has \d+ tokens but the model's context .* is {context} and max_new_tokens={context - 2}",
     ):
         fd.generate("a long prompt", max_new_tokens=context - 2, method="autoregressive")
 

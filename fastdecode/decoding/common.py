@@ -217,15 +217,17 @@ def check(cfg: DecodeConfig, m: EarlyExitModel, prompts: list[list[int]] | None 
 
 def check_context(context: int, max_new_tokens: int, tokens: int, prompt: str, whose: str = "model") -> None:
     """``prompt`` (``tokens`` long) and ``max_new_tokens`` new tokens must fit the ``whose``'s ``context``."""
-    room = context - max_new_tokens  # the longest prompt that fits
-    if room < 1:  # no prompt fits: the prompt's length is beside the point
-        problem, fix = f"max_new_tokens={max_new_tokens} exceeds", f"use max_new_tokens <= {context - 1}"
-    else:
-        problem = f"{prompt} ({tokens} tokens) and max_new_tokens={max_new_tokens} exceed"
-        fix = f"prompts may have at most {room} tokens; shorten the prompt or lower max_new_tokens"
-    if tokens > room:
-        whole = f"the {whose}'s context of {context} positions (max_position_embeddings)"
-        raise ConfigError(f"{problem} {whole}, which holds the prompt and the new tokens: {fix}.")
+    if max_new_tokens >= context:  # no prompt fits, whatever its length
+        raise ConfigError(
+            f"max_new_tokens={max_new_tokens} exceeds the {whose}'s context of {context} positions "
+            f"(max_position_embeddings), which holds the prompt too: use max_new_tokens <= {context - 1}."
+        )
+    if tokens + max_new_tokens > context:
+        raise ConfigError(
+            f"{prompt} has {tokens} tokens but the {whose}'s context (max_position_embeddings) is {context} and "
+            f"max_new_tokens={max_new_tokens}: prompts may have at most {context - max_new_tokens} tokens; "
+            "shorten the prompt or lower max_new_tokens."
+        )
 
 
 def refuse_draft_model(name: str, draft: EarlyExitModel | None) -> None:
