@@ -36,7 +36,7 @@ from fastdecode.jacobi import check_block_size
 from fastdecode.loading import load_model, load_tokenizer
 from fastdecode.locks import file_lock
 from fastdecode.model import EarlyExitModel
-from fastdecode.tokens import IGNORE_INDEX
+from fastdecode.tokens import IGNORE_INDEX, eos_ids
 
 log = logging.getLogger(__name__)
 
@@ -166,12 +166,6 @@ def _context(cfg: ModelConfig, path: str | None) -> int:
     return AutoConfig.from_pretrained(path).max_position_embeddings
 
 
-def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids = model.config.eos_token_id
-    ids = set(ids) if isinstance(ids, list) else ({ids} if ids is not None else set())
-    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-
-
 def run(cfg: Any, after_commit: Callable[[int], None] | None = None) -> dict:
     """Collect (or resume) the trajectories of ``cfg``; returns the manifest (merged on rank 0).
 
@@ -221,7 +215,7 @@ def _collect_locked(
         job,
         todo,
         writer,
-        eos_ids=eos_token_ids(hf, tokenizer),
+        eos_ids=eos_ids(hf, tokenizer),
         total=len(mine),
         rank=rank,
         after_commit=after_commit,

@@ -26,7 +26,7 @@ from fastdecode.data.chat import build_datasets, user_prompt_ids
 from fastdecode.decoding import DecodeConfig, JacobiOptions, get_decoder
 from fastdecode.loading import resolve_device
 from fastdecode.model import EarlyExitModel
-from fastdecode.tokens import next_token_nll
+from fastdecode.tokens import eos_ids, next_token_nll
 from fastdecode.tokens import perplexity as token_perplexity
 from fastdecode_recipes.common import TrainJob, job_tokenizer
 from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
@@ -67,7 +67,7 @@ def measure(model, tokenizer, held_out: list[dict], rcfg: CLLMConfig, block: int
     cfg = DecodeConfig(
         max_new_tokens=r.max_new_tokens,
         jacobi=JacobiOptions(block=block),
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=sorted(eos_ids(model, tokenizer)),
     )
     tokens = forwards = 0
     fast_forward: list[int] = []

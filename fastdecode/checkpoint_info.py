@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fastdecode.checkpoint import check_checkpoint
+from fastdecode.checkpoint import CheckpointError, check_checkpoint
 from fastdecode.config import SIDECAR_FILE, ConfigError, ModelConfig, checkpoint_label, to_dataclass
 from fastdecode.io import atomic_write_json
 
@@ -51,16 +51,40 @@ def read_sidecar(directory: str | os.PathLike | None) -> dict:
 
 def recommended_exit(directory: str | os.PathLike | None) -> tuple[int | None, str]:
     """E recorded with a checkpoint and where: the sidecar, else ``generation_config.assistant_early_exit``
-    (checkpoints exported before the sidecar, or with ``recipe.export.hf_assistant_early_exit=true``)."""
+    (checkpoints exported before the sidecar, or with ``recipe.export.hf_assistant_early_exit=true``); checked
+    to be a layer of the checkpoint's config.json that leaves layers to verify with (``checked_exit``)."""
     exit_layer = read_sidecar(directory).get("exit_layer")
     if exit_layer is not None:
-        return int(exit_layer), f"checkpoint {SIDECAR_FILE}"
+        return checked_exit(directory, exit_layer, SIDECAR_FILE, "exit_layer"), f"checkpoint {SIDECAR_FILE}"
     path = Path(directory) / "generation_config.json" if directory else None
     if path is not None and path.is_file():
         value = json.loads(path.read_text(encoding="utf-8")).get("assistant_early_exit")
         if value is not None:
-            return int(value), "checkpoint generation_config.assistant_early_exit"
+            value = checked_exit(directory, value, path.name, "assistant_early_exit")
+            return value, "checkpoint generation_config.assistant_early_exit"
     return None, "unset"
+
+
+def checked_exit(directory: str | os.PathLike, value: Any, file: str, key: str) -> int:
+    """``value`` of ``key`` in the checkpoint's ``file``, an exit E: an int in [1, L - 1] (L: config.json's
+    ``num_hidden_layers``, when the directory has one), or a ``CheckpointError`` naming the file and the fix."""
+    layers = (
+        hf_config(directory).get("num_hidden_layers") if (Path(directory) / "config.json").is_file() else 0
+    )
+    layers = layers if isinstance(layers, int) else 0  # 0: unknown
+    if (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value >= 1
+        and (not layers or value < layers)
+    ):
+        return value
+    top, of = (layers - 1, f" (the model has {layers} layers)") if layers else ("num_hidden_layers - 1", "")
+    raise CheckpointError(
+        f"{Path(directory) / file}: {key}={value!r} is not an exit layer of this checkpoint{of}; an exit is an "
+        f"int in [1, {top}]. Set it in that range (or remove it: no recorded exit), or export the checkpoint "
+        "again."
+    )
 
 
 def hf_config(directory: str | os.PathLike) -> dict:

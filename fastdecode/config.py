@@ -27,8 +27,9 @@ class ConfigError(UserError, ValueError):
 
 
 def did_you_mean(key: str, choices: list[str]) -> str:
-    """`` Did you mean '<closest choice>'?`` for an unknown ``key``, or an empty string when none is close."""
-    close = difflib.get_close_matches(key, choices, n=1)
+    """`` Did you mean '<closest choice>'?`` for an unknown ``key``, or an empty string when none is close (or
+    ``key`` is not a string: ``method=None``)."""
+    close = difflib.get_close_matches(key, choices, n=1) if isinstance(key, str) else []
     return f" Did you mean '{close[0]}'?" if close else ""
 
 

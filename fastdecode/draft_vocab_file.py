@@ -40,9 +40,21 @@ def load_draft_vocab(path: str | os.PathLike) -> tuple[torch.Tensor, int]:
         )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        return torch.tensor(data["ids"], dtype=torch.long), int(data["vocab_size"])
+        ids, vocab_size = torch.tensor(data["ids"], dtype=torch.long), int(data["vocab_size"])
+        if ids.dim() != 1:
+            raise ValueError(f"ids is not a list of ids (shape {tuple(ids.shape)})")
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError(
             f"decoder.draft_vocab={str(path)!r} is not a draft vocabulary file ({err}); rebuild it with "
             f"{BUILD_HINT}."
         ) from err
+    wrong = ids[(ids < 0) | (ids >= vocab_size)]  # [n]: the ids outside the vocabulary
+    if len(wrong) or ids.unique().numel() != len(ids):
+        problem = (
+            f"the id {int(wrong[0])}, outside" if len(wrong) else "an id twice; ids must be distinct and in"
+        )
+        raise ConfigError(
+            f"decoder.draft_vocab={str(path)!r} holds {problem} the vocabulary of {vocab_size} ids it was built "
+            f"for ([0, {vocab_size})); rebuild it with {BUILD_HINT}."
+        )
+    return ids, vocab_size

@@ -244,12 +244,13 @@ def resolve_adapter(path: str | os.PathLike) -> Path:
     if (path / META_FILE).is_file():
         return path
     if (path / INDEX_FILE).is_file():
-        index = json.loads((path / INDEX_FILE).read_text())
+        index = read_index(path)
         chosen = index.get("chosen")
-        if chosen is None:
+        if chosen is None or str(chosen) not in index["adapters"]:
             raise AdapterError(
-                f"{path / INDEX_FILE} names no chosen adapter (no exit was expected to pay); pick one of "
-                f"{sorted(index.get('adapters', {}))} with decoder.adapter={path}/E<exit>."
+                f"{path / INDEX_FILE} names no chosen adapter among its adapters (chosen: {chosen}; none is "
+                f"when no exit was expected to pay); pick one of {sorted(index['adapters'])} with "
+                f"decoder.adapter={path}/E<exit>."
             )
         return resolve_adapter(path / index["adapters"][str(chosen)])
     if (path / CHECKPOINT_DIR / META_FILE).is_file():
@@ -303,6 +304,24 @@ def recorded_adapter(path: str | os.PathLike) -> RecordedAdapter:
                 "does not plan it) or train the adapters again."
             ) from err
     return RecordedAdapter(str(directory), int(meta["exit_layer"]), agreement, rounds)
+
+
+def read_index(run: str | os.PathLike) -> dict:
+    """A training run's ``adapters.json``: ``adapters`` (each exit -> its adapter folder) and ``chosen``."""
+    path = Path(run) / INDEX_FILE
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+        adapters = index["adapters"]
+        valid = isinstance(adapters, dict) and all(isinstance(name, str) for name in adapters.values())
+    except (ValueError, KeyError, TypeError):  # not JSON, no "adapters", not an object
+        valid = False
+    if not valid:
+        raise AdapterError(
+            f"{path} is not a run's adapter index (a JSON object whose 'adapters' maps each exit to its "
+            "folder): pass one adapter directory instead, or train again with `python train.py "
+            "recipe=exit_adapter`."
+        )
+    return index
 
 
 def read_meta(directory: str | os.PathLike) -> dict:

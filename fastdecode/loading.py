@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from pathlib import Path
@@ -46,7 +47,15 @@ def load_tokenizer(cfg: ModelConfig, path: str | None = None):
     source = cfg.tokenizer or path
     if source is None:
         raise ConfigError(f"model '{cfg.name}' has no tokenizer: set model.tokenizer (e.g. builtin-bytes).")
-    tok = AutoTokenizer.from_pretrained(source, revision=cfg.revision)
+    try:
+        tok = AutoTokenizer.from_pretrained(source, revision=cfg.revision)
+    except Exception as err:
+        if not Path(source).is_dir() or not unreadable_checkpoint(err):
+            raise
+        raise CheckpointError(
+            f"model '{cfg.name}': the tokenizer files in {source} cannot be read ({type(err).__name__}: {err}); "
+            "save the tokenizer there again (tokenizer.save_pretrained), or set model.tokenizer."
+        ) from err
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # batching needs a pad id; padded slots are masked anyway
     return tok
@@ -112,7 +121,9 @@ def _from_pretrained(cfg: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedMo
     """Load the weights of a hub/local/packaged model, checking a local directory's files first.
 
     A packaged (converted) model that fails to load has its hashes checked against its manifest: damaged, it
-    is converted again and loaded once more. Any other failure names the directory it came from.
+    is converted again and loaded once more. A local directory whose files cannot be read as a model
+    (``unreadable_checkpoint``) is a ``CheckpointError`` naming it; any other failure (out of memory, a
+    missing package, a bug) propagates as it is, with its traceback.
     """
     from fastdecode.assets import model_dir_problems, model_load_path, pypi_model_dir
 
@@ -123,8 +134,8 @@ def _from_pretrained(cfg: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedMo
             check_checkpoint(path, tokenizer=cfg.tokenizer is None, what=f"model '{cfg.name}' directory")
         return AutoModelForCausalLM.from_pretrained(path, **kwargs), path
     except Exception as err:
-        if not Path(path).is_dir():
-            raise  # a hub id: Hugging Face's message names it
+        if not Path(path).is_dir() or not unreadable_checkpoint(err):
+            raise  # a hub id (Hugging Face's message names it), or not the files' fault
         damaged = cfg.source == "pypi" and model_dir_problems(cfg, hashes=True)
         if isinstance(err, CheckpointError) and not damaged:
             raise
@@ -136,6 +147,39 @@ def _from_pretrained(cfg: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedMo
         log.warning("model directory %s is damaged (%s): converting it again", path, "; ".join(damaged))
         path = str(pypi_model_dir(cfg, reconvert=True))
         return AutoModelForCausalLM.from_pretrained(path, **kwargs), path
+
+
+# What reading a damaged or foreign model directory raises: OSError (a missing or unreadable file),
+# ValueError (bad JSON, an unknown model_type, a config that contradicts itself; CheckpointError too), KeyError
+# (a config value transformers does not know: hidden_act), EOFError, safetensors' SafetensorError, and the
+# RuntimeErrors of the loaders below (weights of other shapes than the config's, a damaged zip); an error raised
+# from one of these (huggingface_hub's config validation) too. Out of memory, a missing package or a bug's
+# TypeError are not the directory's fault: they keep their own type and traceback.
+_CHECKPOINT_TEXTS = (
+    "mismatched_sizes",
+    "size mismatch",
+    "Error(s) in loading state_dict",
+    "PytorchStreamReader",
+)
+
+
+def unreadable_checkpoint(err: BaseException | None) -> bool:
+    """Whether ``err``, raised while loading a model directory, says its files are damaged or not a model of
+    this kind (the directory is to blame, not the machine or the code)."""
+    for _ in range(8):  # the error and the ones it was raised from
+        if err is None or isinstance(err, torch.OutOfMemoryError | MemoryError | ImportError):
+            return False
+        if isinstance(err, OSError) and err.errno == errno.ENOMEM:
+            return False
+        if (
+            isinstance(err, OSError | ValueError | KeyError | EOFError)
+            or type(err).__name__ == "SafetensorError"
+        ):
+            return True
+        if isinstance(err, RuntimeError) and any(text in str(err) for text in _CHECKPOINT_TEXTS):
+            return True
+        err = err.__cause__
+    return False
 
 
 def load_model(cfg: ModelConfig):

@@ -54,6 +54,8 @@ def run(cfg: Any) -> dict:
     check_data_files(job.data)  # before any model loads
     check_writable(job.output_dir)
     targets = report_targets(job)  # a model that contradicts the checkpoint fails here, before any report
+    if job.adapter:
+        adapter_dirs(job)  # a bad index or mixed draft vocabularies fail here, before any model loads
     reports, held_out, measured = {}, None, {}
     for label, model_cfg in targets.items():
         model, tokenizer = load_model(model_cfg)
@@ -136,7 +138,7 @@ def model_report(
     )
     m = EarlyExitModel(model)
     if job.adapter and label != "base":
-        adapters, vocab = load_adapters(m, tokenizer, job.adapter)
+        adapters, vocab = load_adapters(m, tokenizer, job)
         report["adapters"] = adapter_generation_report(m, adapters, generations, vocab)
     costs = shared_costs(m, measured)  # after the agreement: that ran on the HF modules, as the report's
     report |= recommend(report["generations"], costs, m, job.max_draft)
@@ -209,25 +211,29 @@ def report_targets(job: ExitsJob) -> dict[str, ModelConfig]:
     return {"checkpoint": after}
 
 
-def load_adapters(m: Any, tokenizer: Any, path: str) -> tuple[dict, Any]:
-    """``(E -> ExitAdapter, draft vocabulary ids or None)`` of ``path``: a ``recipe=exit_adapter`` run's
-    ``final/`` (every exit's adapter) or one adapter directory; one draft vocabulary for all of them."""
-    import json
+def adapter_dirs(job: ExitsJob) -> list[Path]:
+    """The adapter directories ``adapter=`` names (a training run: every exit's), their records read and their
+    draft vocabularies compared before any model loads (the report scores them all on one)."""
+    from fastdecode.exit_adapter import INDEX_FILE, AdapterError, read_index, read_meta
 
-    from fastdecode.exit_adapter import INDEX_FILE, load_adapter
-
-    root = Path(path)
-    if (root / INDEX_FILE).is_file():  # a training run: every exit's adapter
-        names = json.loads((root / INDEX_FILE).read_text())["adapters"]
-        dirs = [root / name for name in names.values()]
-    else:
-        dirs = [root]
-    loaded = [load_adapter(d, m, tokenizer) for d in dirs]
-    vocabs = {None if ids is None else tuple(ids.tolist()) for _, _, ids in loaded}
-    if len(vocabs) > 1:
-        raise ValueError(
-            f"the adapters under {root} use different draft vocabularies; report them one by one"
+    root = Path(job.adapter)
+    dirs = (
+        [root / n for n in read_index(root)["adapters"].values()] if (root / INDEX_FILE).is_file() else [root]
+    )
+    if len({(read_meta(d).get("draft_vocab") or {}).get("sha256") for d in dirs}) > 1:
+        raise AdapterError(
+            f"the adapters under {root} use different draft vocabularies, and the report scores them on one: "
+            f"report them one by one (adapter={root}/E<exit>)."
         )
+    return dirs
+
+
+def load_adapters(m: Any, tokenizer: Any, job: ExitsJob) -> tuple[dict, Any]:
+    """``(E -> ExitAdapter, draft vocabulary ids or None)`` of ``adapter=`` (``adapter_dirs``: a
+    ``recipe=exit_adapter`` run's ``final/`` or one adapter directory; one draft vocabulary for all)."""
+    from fastdecode.exit_adapter import load_adapter
+
+    loaded = [load_adapter(d, m, tokenizer) for d in adapter_dirs(job)]
     return {a.exit_layer: a for a, _, _ in loaded}, loaded[0][2]
 
 

@@ -19,9 +19,15 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastdecode.config import ConfigError
 
 USER_ERROR_EXIT = 2  # the exit code of a user error (argparse's, for a bad command line, too)
+# (run directory, its highest ancestor that did not exist) of a command line whose output_dir Hydra is about
+# to create: a run refused by a user error removes what Hydra made there (``remove_refused_run_dir``)
+_NEW_RUN_DIRS: list[tuple[Path, Path]] = []
 
 
 def one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -36,16 +42,40 @@ def one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return func(*args, **kwargs)
         except UserError as err:
+            remove_refused_run_dir()
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
             from fastdecode.distributed import is_main_process
 
             if is_main_process():
                 sys.stdout.flush()
-                print(f"error: {err}", file=sys.stderr, flush=True)
+                line = " ".join(part.strip() for part in str(err).splitlines() if part.strip())
+                print(f"error: {line}", file=sys.stderr, flush=True)
             sys.exit(USER_ERROR_EXIT)
 
     return wrapper
+
+
+def remove_refused_run_dir() -> None:
+    """A refused run leaves nothing it created: the run directory Hydra made for it (``.hydra/`` and the job's
+    log), with the parents it made, when it did not exist before the run and holds nothing else (a run
+    that wrote results or checkpoints before its error keeps them)."""
+    import shutil
+
+    while _NEW_RUN_DIRS:
+        run_dir, top = _NEW_RUN_DIRS.pop()
+        try:  # best effort: another rank of the launch may be removing (or writing) the same directory
+            if not run_dir.is_dir() or any(
+                p.name != ".hydra" and p.suffix != ".log" for p in run_dir.iterdir()
+            ):
+                continue
+            shutil.rmtree(run_dir, ignore_errors=True)
+            for parent in run_dir.parents:  # the parents Hydra created on the way, while empty
+                if top not in (parent, *parent.parents) or any(parent.iterdir()):
+                    break
+                parent.rmdir()
+        except OSError:
+            continue
 
 
 def strip_launcher_args(argv: list[str] | None = None) -> list[str]:
@@ -126,8 +156,11 @@ def _override_error(config_name: str, overrides: list[str], err: Exception) -> E
     from fastdecode.config import ConfigError, did_you_mean, group_choices, unknown_name_error
 
     text, cause = str(err), err.__cause__
-    missing = re.search(r"Could not find '([\w-]+)/([^']+)'", text)
-    if missing:
+    if getattr(err, "override", None) is not None:  # hydra.errors.OverrideParseException: its grammar
+        return grammar_error(err.override, text)
+    # "find": a single option; "load": an option of a list-valued group (decoder=[a,b])
+    missing = re.search(r"Could not (?:find|load) '([\w-]+)/([^']+)'", text)
+    if missing and missing.group(2) not in group_choices(missing.group(1)):
         group, name = missing.groups()
         return unknown_name_error(group, name, group_choices(group), f"Pick one with {group}=NAME.")
     no_group = re.search(r"Could not override '([\w.]+)'\. No match in the defaults list", text)
@@ -149,6 +182,27 @@ def _override_error(config_name: str, overrides: list[str], err: Exception) -> E
         return unknown_trainer_key(key)
     return ConfigError(
         f"Unknown key '{full_key}'.{did_you_mean(key, keys)} Valid keys of {where}: {', '.join(sorted(keys))}."
+    )
+
+
+def grammar_error(override: str, text: str) -> ConfigError:
+    """An override Hydra's grammar cannot read (``text``: Hydra's message): a word without ``=``, an open
+    bracket or quote; what is wrong and how overrides are written, in one line."""
+    from fastdecode.config import ConfigError
+
+    lines = [
+        ln for ln in text.splitlines() if ln.strip() and not ln.startswith(("See https", "Error parsing"))
+    ]
+    if "=" not in override and not override.startswith("~"):
+        why = "it has no '='"
+    elif lines and lines[-1].strip() == "^":  # the lexer's: the override, a caret under the bad character
+        where = len(lines[-1]) - 1 - len("LexerNoViableAltException: ")
+        why = f"Hydra cannot read what starts at {override[where:]!r}"
+    else:
+        why = "; ".join(lines)  # the parser's reason, e.g. "no viable alternative at input '[a'"
+    return ConfigError(
+        f"cannot read the override {override!r}: {why}. Write key=value, group=option (a list where the group "
+        "takes several: decoder=[a,b]), +key=value to add a key, ~key to remove one."
     )
 
 
@@ -224,12 +278,16 @@ def check_command_line(config_name: str, argv: list[str] | None = None) -> None:
             raise ours from None
         return  # anything else: Hydra reports it in its own words when it composes
     if not args.cfg:
-        check_output_dir(cfg)
+        output_dir = check_output_dir(cfg)
+        if output_dir is not None and argv is None and not output_dir.exists():  # Hydra will create it
+            top = next(p for p in (output_dir, *output_dir.parents) if p.parent.exists())
+            _NEW_RUN_DIRS.append((output_dir, top))
 
 
-def check_output_dir(cfg) -> None:
+def check_output_dir(cfg) -> Path | None:
     """Hydra creates ``output_dir`` (its run directory) and writes ``.hydra/`` into it before the task runs:
-    a read-only one is refused here with ``OutputNotWritableError`` instead of Hydra's raw OSError."""
+    a read-only one is refused here with ``OutputNotWritableError`` instead of Hydra's raw OSError. Returns
+    it (absolute; None when the config has none)."""
     from omegaconf import OmegaConf
 
     from fastdecode.io import check_writable
@@ -237,6 +295,8 @@ def check_output_dir(cfg) -> None:
     try:
         output_dir = OmegaConf.select(cfg, "output_dir")
     except Exception:  # an interpolation that cannot resolve yet: the run itself will say why
-        return
-    if output_dir:
-        check_writable(output_dir)
+        return None
+    if not output_dir:
+        return None
+    check_writable(output_dir)
+    return Path(output_dir).absolute()

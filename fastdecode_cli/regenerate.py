@@ -73,6 +73,7 @@ def run(cfg: Any) -> dict:
     from fastdecode.decoding import DecodeConfig, get_decoder
     from fastdecode.loading import load_model
     from fastdecode.model import EarlyExitModel
+    from fastdecode.tokens import eos_ids
 
     job = to_dataclass(RegenerateJob, cfg, "")
     if job.num_prompts < 1 or job.batch_size < 1:
@@ -88,7 +89,7 @@ def run(cfg: Any) -> dict:
         return {"written": len(lines), "new": 0, "output": str(out)}
     m = EarlyExitModel(model)
     decode = get_decoder("autoregressive")
-    dcfg = DecodeConfig(max_new_tokens=job.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+    dcfg = DecodeConfig(max_new_tokens=job.max_new_tokens, eos_token_id=sorted(eos_ids(model, tokenizer)))
     start = len(lines)
     for b in range(start, len(prompts), job.batch_size):
         batch = prompts[b : b + job.batch_size]

@@ -48,6 +48,7 @@ def run(cfg: Any) -> dict:
     from fastdecode.model import EarlyExitModel
     from fastdecode.skipdecode import SkipOptions, read_trained_policy, trained_options, trained_policy_file
     from fastdecode.skipdecode_report import skipdecode_quality, split_examples
+    from fastdecode.tokens import eos_ids
 
     job = to_dataclass(QualityJob, cfg, "")
     model_cfg = checkpoint_model(job.model, job.checkpoint)  # a contradicting model= fails before any load
@@ -61,7 +62,7 @@ def run(cfg: Any) -> dict:
     decode = DecodeConfig(max_new_tokens=job.max_new_tokens, skip=skip)
     check_writable(job.output_dir)  # before the model loads
     model, tokenizer = load_model(model_cfg)
-    decode = dataclasses.replace(decode, eos_token_id=tokenizer.eos_token_id)
+    decode = dataclasses.replace(decode, eos_token_id=sorted(eos_ids(model, tokenizer)))
     held_out = build_datasets(dataclasses.replace(job.data, max_samples=1), tokenizer)[1][: job.prompts]
     report = skipdecode_quality(
         EarlyExitModel(model), split_examples(held_out), decode, held_out, job.batch_size

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fastdecode_cli.launch import one_line_errors
+from fastdecode_cli.launch import USER_ERROR_EXIT, one_line_errors
 
 KINDS = "plain,layerskip,layerskip-fraction0.25,layerskip-3exits-distill"
 
@@ -38,18 +38,33 @@ def memory_in_subprocess(shape, kind: str) -> float:
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "fastdecode_cli.train_cost", "--memory-only", kind, "--model", shape.model]
     cmd += ["--batch", str(shape.batch), "--seq", str(shape.seq), "--steps", str(min(shape.steps, 3))]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])["peak_mib"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if done.returncode == 0:
+        return json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
+    from fastdecode.errors import UserError
+
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    if done.returncode == USER_ERROR_EXIT and lines and lines[-1].startswith("error: "):  # the child's own
+        raise UserError(f"measuring the peak memory of {kind}: {lines[-1].removeprefix('error: ')}")
+    sys.stderr.write(done.stderr)  # a crash: the child's traceback, then ours
+    raise RuntimeError(
+        f"the peak-memory subprocess of {kind} failed (exit code {done.returncode}); its output is above: "
+        f"{' '.join(cmd)}"
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
     """Measure every kind of ``args.kinds`` and return the report (``--memory-only KIND``: that kind's peak)."""
-    from layerskip_train.step_cost import StepShape, compare, measure_memory, measure_time
+    from fastdecode.config import unknown_name_error
+    from layerskip_train.step_cost import VARIANTS, StepShape, compare, measure_memory, measure_time
 
     shape = StepShape(args.model, args.batch, args.seq, args.steps)
     if args.memory_only:
         return {"peak_mib": measure_memory(shape, args.memory_only)}
     kinds = args.kinds.split(",")
+    for kind in kinds:  # before any model loads
+        if kind != "plain" and kind not in VARIANTS:
+            raise unknown_name_error("step kind", kind, ["plain", *VARIANTS], "(--kinds)")
     times = measure_time(shape, kinds)
     memory = {kind: memory_in_subprocess(shape, kind) for kind in kinds}
     return compare(shape, times, memory)

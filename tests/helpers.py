@@ -1,6 +1,7 @@
 """Builders shared by several test modules: the tiny models (cached), tiny models with lively weights, draft
 models, random exit adapters, random prompts and examples, synthetic CLLM records, exact target distributions
-and chi-square p-values for the sampling tests, a chat jsonl, a free port. Composed job configs are in
+and chi-square p-values for the sampling tests, a chat jsonl, a free port, a second EOS id declared in a
+model's generation config. Composed job configs are in
 ``tests/job_configs.py``, fake PyPI assets in ``tests/fake_assets.py``."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import math
 import random
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,7 +21,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from cllm_train.records import first_mismatch, validate_record
 from fastdecode.config import ModelConfig, load_group
+from fastdecode.data.chat import user_prompt_ids
 from fastdecode.decoding import DecodeConfig
+from fastdecode.decoding.autoregressive import generate as autoregressive
 from fastdecode.decoding.common import probabilities
 from fastdecode.exit_adapter import build_adapter, save_adapter
 from fastdecode.loading import load_model
@@ -265,3 +269,27 @@ def synthetic_records(prompts: int = 6, n: int = 4, seed: int = 0, labels: bool 
             records.append(validate_record(rec))
             prefix += fixed
     return records
+
+
+def declare_second_eos(model: torch.nn.Module, tokenizer) -> int:
+    """Declare a second EOS id in ``model``'s generation config, beside the tokenizer's (as a chat model's
+    ``generation_config.json`` lists its end-of-turn id): the token the model generates first after a chat
+    prompt. The default tiny init repeats that one token whatever the prompt, so every path that stops at
+    ``fastdecode.tokens.eos_ids`` ends each row after it; one that reads the tokenizer's EOS alone does not."""
+    prompt = user_prompt_ids(tokenizer, "hello")
+    first = autoregressive(EarlyExitModel(model), [prompt], DecodeConfig(max_new_tokens=1)).tokens[0][0]
+    assert first != tokenizer.eos_token_id
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, first]
+    return first
+
+
+def second_eos_loader(load: Callable, declared: list[int]) -> Callable:
+    """``load`` (a ``load_model``) whose models declare a second EOS id (``declare_second_eos``), each id
+    appended to ``declared``."""
+
+    def loader(*args, **kwargs):
+        model, tokenizer = load(*args, **kwargs)
+        declared.append(declare_second_eos(model, tokenizer))
+        return model, tokenizer
+
+    return loader

@@ -154,6 +154,7 @@ def test_offline_without_cache_fails_fast_with_a_fix(cache, offline, monkeypatch
     assert f"pip download --no-deps {PKG}=={VERSION} -d DIR" in msg
     assert "FASTDECODE_WHEELHOUSE" in msg and str(cache / "wheels") in msg
     assert "No matching distribution" in msg  # pip's own last error line
+    assert "\n" not in msg  # one line: what a console script prints after "error: "
     assert elapsed < 30, f"an offline failure took {elapsed:.1f}s"
     assert leftovers(cache / "wheels") == []  # no temp download folder, no half-written wheel
     assert leftovers(cache / "files") == []

@@ -69,6 +69,40 @@ def test_speed_on_a_checkpoint_is_labelled_and_filed_as_it(ckpt):
 
 
 @pytest.mark.parametrize(
+    "file,key,value",
+    [
+        ("fastdecode.json", "exit_layer", "ab"),
+        ("fastdecode.json", "exit_layer", 99),
+        ("fastdecode.json", "exit_layer", -1),
+        ("fastdecode.json", "exit_layer", 4),  # the last layer: nothing left to verify with
+        ("generation_config.json", "assistant_early_exit", 0),
+        ("generation_config.json", "assistant_early_exit", 2.5),
+    ],
+)
+def test_a_recorded_exit_is_a_layer_of_the_checkpoint(ckpt, tmp_path, monkeypatch, file, key, value):
+    """What the checkpoint records as its exit is checked against its config.json when it is read: the speed
+    benchmark refuses it in its plan, before any model loads, naming the file and the range."""
+    import shutil
+
+    from fastdecode.bench.config import plan
+    from fastdecode.checkpoint import CheckpointError
+
+    final = tmp_path / "final"
+    shutil.copytree(ckpt, final)
+    if file == "fastdecode.json":
+        write_sidecar(final, recipe="layerskip", run_name="layerskip-tiny-llama", exit_layer=value)
+    else:
+        write_sidecar(final, recipe="sft", run_name="sft-tiny-llama")
+        (final / file).write_text(json.dumps({key: value}))
+    message = rf"{final / file}: {key}={value!r} is not an exit layer .*4 layers.*\[1, 3\]"
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        recommended_exit(final)
+    monkeypatch.setattr("fastdecode.loading.load_model", lambda *a: pytest.fail("loaded a model"))
+    with pytest.raises(CheckpointError, match=rf"{key}={value!r} is not an exit layer"):
+        plan(_compose("speed", "model=checkpoint", f"checkpoint={final}"))
+
+
+@pytest.mark.parametrize(
     "model,why",
     [
         ("tiny-qwen2", r"family qwen2\) contradicts checkpoint .*model_type llama"),

@@ -124,3 +124,72 @@ def test_other_exceptions_and_exits_pass_through(monkeypatch):
     with pytest.raises(SystemExit) as exited:
         leaves()
     assert exited.value.code == 0
+
+
+@pytest.mark.parametrize(
+    "override,word",
+    [
+        ("foo", "cannot read the override 'foo': it has no '='"),
+        ("decoder=[autoregressive", "cannot read the override 'decoder=[autoregressive'"),
+        ("n_prompts='3", 'Hydra cannot read what starts at "\'3"'),
+        ("decoder=[autoregresive]", "Unknown decoder 'autoregresive'. Did you mean 'autoregressive'?"),
+        (
+            "decoder=[autoregressive,prompt_lokup]",
+            "Unknown decoder 'prompt_lokup'. Did you mean 'prompt_lookup'?",
+        ),
+    ],
+)
+def test_an_override_hydra_cannot_read_or_a_misspelt_list_option_is_one_line(override, word, tmp_path):
+    """Hydra's grammar errors and a misspelt option of a list-valued group (``decoder=[...]``) get our one
+    line (Hydra would print its banner, exit 1, and no did-you-mean)."""
+    out = _run("speed", [override], tmp_path)
+    lines = _lines(out.stderr)
+    assert out.returncode == USER_ERROR_EXIT, out.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and word in lines[0], out.stderr
+    assert "key=value" in lines[0] or "Choices:" in lines[0]
+
+
+def test_a_message_of_several_lines_is_printed_as_one(capsys, monkeypatch):
+    """A named error whose text spans lines (one quoting another program's output) is still one line."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+
+    @one_line_errors
+    def fails():
+        raise ConfigError("loading failed (ValueError: first\n    second line).\nFix it.")
+
+    with pytest.raises(SystemExit):
+        fails()
+    assert capsys.readouterr().err == "error: loading failed (ValueError: first second line). Fix it.\n"
+
+
+def test_a_refused_run_leaves_nothing_it_created(tmp_path):
+    """Hydra makes the run directory (``.hydra/``, the job's log) before the task runs: a run the task then
+    refuses removes them, and the parents made on the way; a directory that was there keeps what it held."""
+    out = _run(
+        "train", ["model=tiny-llama", "trainer.max_steps=abc", f"output_dir={tmp_path}/new/run"], tmp_path
+    )
+    assert out.returncode == USER_ERROR_EXIT and "trainer.max_steps" in out.stderr
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "old"
+    (kept / "checkpoint-2").mkdir(parents=True)
+    out = _run("train", ["model=tiny-llama", "trainer.max_steps=abc", f"output_dir={kept}"], tmp_path)
+    assert out.returncode == USER_ERROR_EXIT
+    assert (kept / "checkpoint-2").is_dir()
+
+
+def test_train_cost_reports_its_subprocess_errors(tmp_path, capsys):
+    """The peak-memory subprocess: its user error reaches the user as one line (ours, naming the kind), its
+    crash as its traceback; an unknown kind is refused before any model loads."""
+    from fastdecode_cli.train_cost import memory_in_subprocess
+    from layerskip_train.step_cost import StepShape
+
+    with pytest.raises(UserError, match=r"measuring the peak memory of plain: Unknown model 'nosuch'"):
+        memory_in_subprocess(StepShape("nosuch", 1, 8, 1), "plain")
+    with pytest.raises(RuntimeError, match=r"the peak-memory subprocess of bogus failed \(exit code 1\)"):
+        memory_in_subprocess(StepShape("tiny-llama", 1, 8, 1), "bogus")
+    child = capsys.readouterr().err  # the child's traceback, not discarded
+    assert "Traceback" in child and "KeyError: 'bogus'" in child
+    out = _run("train_cost", ["--model", "tiny-llama", "--kinds", "plain,layerskp"], tmp_path)
+    assert out.returncode == USER_ERROR_EXIT and len(_lines(out.stderr)) == 1, out.stderr
+    assert "Unknown step kind 'layerskp'. Did you mean 'layerskip'?" in out.stderr

@@ -14,7 +14,14 @@ import fastdecode_recipes
 from cllm_train.records import MANIFEST, SCHEMA_VERSION, RecordError, tokenizer_fingerprint
 from fastdecode.config import CONFIG_DIR, ConfigError
 from fastdecode.tokenizer import byte_tokenizer
-from tests.helpers import free_port, synthetic_records, write_chat_jsonl
+from tests.helpers import (
+    declare_second_eos,
+    free_port,
+    random_examples,
+    synthetic_records,
+    tiny_model,
+    write_chat_jsonl,
+)
 
 TINY_ID = "random:tiny-llama:0"  # records.model_identity of configs/model/tiny-llama.yaml
 
@@ -91,6 +98,24 @@ def test_cllm_recipe_trains_exports_and_measures(tmp_path, variant):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["report"] == summary["report"]
     reloaded = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
     assert torch.isfinite(reloaded(torch.tensor([[3, 40, 50]])).logits).all()
+
+
+def test_the_jacobi_report_stops_at_a_second_eos_of_the_generation_config():
+    """The before/after report decodes held-out prompts until every EOS id the model declares
+    (``fastdecode.tokens.eos_ids``): with a second one in its generation config, each prompt stops after it
+    (the tokenizer's EOS alone would decode all max_new_tokens=8)."""
+    import copy
+
+    from cllm_train.config import CLLMConfig, CLLMReportConfig
+    from cllm_train.recipe import measure
+
+    model, tokenizer = tiny_model("tiny-llama")
+    model = copy.deepcopy(model)  # the shared tiny model stays as it is
+    declare_second_eos(model, tokenizer)
+    held_out = [ex | {"prompt": f"question {i}"} for i, ex in enumerate(random_examples(3))]
+    report = CLLMReportConfig(prompts=3, max_new_tokens=8, held_out_examples=2)
+    result = measure(model, tokenizer, held_out, CLLMConfig(trajectories="unused", report=report), block=4)
+    assert result["jacobi_tokens"] == 3  # one token per prompt: the declared EOS
 
 
 def test_trajectories_from_the_collector_train(tmp_path):

@@ -20,7 +20,7 @@ from fastdecode.decoding import DECODERS, DecodeConfig
 from fastdecode.loading import load_model
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokenizer import byte_tokenizer
-from tests.helpers import free_port
+from tests.helpers import free_port, second_eos_loader
 from tests.job_configs import collect_cfg, collect_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +55,25 @@ def test_fixed_points_are_greedy_and_records_chain(tmp_path):
         assert last["eos"] or len(last["prefix"]) + 6 - last["prompt_len"] >= 20
         assert last["labels"] == recs[0]["labels"] and last["labels"][-1] == tokenizer.eos_token_id
     check_manifest(manifest, tokenizer, "random:tiny-llama:0")
+
+
+def test_a_second_eos_of_the_generation_config_ends_each_trajectory(tmp_path, monkeypatch):
+    """The model's generation config declares a second EOS id: a fixed point holding it is marked ``eos`` and
+    is its prompt's last record (``fastdecode.tokens.eos_ids``; the tokenizer's EOS alone would collect on to
+    max_new_seq_len=20, four blocks of 6)."""
+    import cllm_train.collect
+
+    declared: list[int] = []
+    monkeypatch.setattr(
+        cllm_train.collect, "load_model", second_eos_loader(cllm_train.collect.load_model, declared)
+    )
+    manifest = run(collect_cfg(tmp_path, lively=False))  # the default init: the same token over and over
+    by_prompt: dict[str, list[dict]] = {}
+    for rec in _records(tmp_path / "out"):
+        by_prompt.setdefault(rec["prompt_id"], []).append(rec)
+    assert manifest["complete"] and len(by_prompt) == manifest["totals"]["prompts"] > 1
+    for recs in by_prompt.values():
+        assert len(recs) == 1 and recs[0]["eos"] and declared[0] in recs[0]["fixed_point"]
 
 
 def test_killed_collection_resumes_to_the_uninterrupted_records(tmp_path):

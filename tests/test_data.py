@@ -203,6 +203,31 @@ def test_assistant_only_labels():
     assert every["labels"][0] == IGNORE_INDEX and every["labels"][1:] == every["input_ids"][1:]
 
 
+def test_a_template_that_rewrites_a_reply_is_named_with_the_fix():
+    """A chat template that renders earlier replies otherwise than the last one (as templates that strip
+    reasoning do) leaves a reply that cannot be found: a ConfigError naming the turn and both ways out."""
+    tok = byte_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}<a>{{ m['content'] | upper }}"
+        "</a>{% else %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello there"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "see you"},
+    ]
+    with pytest.raises(
+        ConfigError,
+        match=r"assistant turn 1 \('hello there'\) is not in the conversation.*"
+        r"data\.assistant_only_loss=false.*model\.tokenizer",
+    ):
+        tokenize_conversation(tok, messages, max_length=1000)
+    every = tokenize_conversation(tok, messages, max_length=1000, assistant_only_loss=False)  # the way out
+    assert "HELLO THERE" in tok.decode(every["input_ids"])
+
+
 def test_truncation():
     tok = byte_tokenizer()
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a long answer"}]

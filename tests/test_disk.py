@@ -55,6 +55,13 @@ def fail_on_load(monkeypatch) -> None:
     monkeypatch.setattr("cllm_train.collect.load_tokenizer", lambda *a, **k: pytest.fail("tokenizer loaded"))
 
 
+def train_in_subprocess(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``python train.py ARGS`` (the console script) in ``cwd``."""
+    cmd = [sys.executable, "-m", "fastdecode_cli.train", *args]
+    environ = os.environ | {"PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, cwd=cwd, env=environ, capture_output=True, text=True, timeout=300)
+
+
 # --------------------------------------------------------------------------------------- read-only output
 
 
@@ -88,14 +95,7 @@ def test_train_into_a_read_only_mount_says_so_in_one_line(tmp_path):
     sft_cfg(tmp_path)  # writes the data file
     with tmpfs(tmp_path / "ro", read_only=True) as ro:
         args = ["model=tiny-llama", "recipe=sft", "data=jsonl", f"data.path={data}", f"output_dir={ro}/run"]
-        out = subprocess.run(
-            [sys.executable, "-m", "fastdecode_cli.train", *args],
-            cwd=tmp_path,
-            env=os.environ | {"PYTHONPATH": str(ROOT)},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        out = train_in_subprocess(args, tmp_path)
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert lines[0].startswith(f"error: output_dir={ro}/run is not writable")
@@ -145,6 +145,27 @@ def test_too_little_room_is_refused_before_loading_naming_the_numbers_and_the_op
     monkeypatch.setattr("fastdecode_recipes.finetune.load_model", load_model)
     with pytest.raises(Loads):  # with room, the run goes on to load the model
         fastdecode_recipes.run(sft_cfg(tmp_path))
+
+
+def test_a_run_refused_for_room_on_a_small_disk_leaves_nothing_behind(tmp_path):
+    """``python train.py output_dir=<a directory on a too-small disk>``: one line, and neither the run directory
+    nor Hydra's ``.hydra/`` and ``train.log`` in it stay behind."""
+    data = tmp_path / "chat.jsonl"
+    sft_cfg(tmp_path)  # writes the data file
+    with tmpfs(tmp_path / "small", size="256k") as small:
+        args = [
+            "model=tiny-llama",
+            "recipe=sft",
+            "data=jsonl",
+            f"data.path={data}",
+            f"output_dir={small}/run",
+        ]
+        out = train_in_subprocess(args, tmp_path)
+        left = sorted(str(p.relative_to(small)) for p in small.rglob("*"))
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"error: not enough disk space in {small}/run")
+    assert left == []
 
 
 def test_the_feature_cache_estimate_is_its_size_and_too_little_room_is_refused(tmp_path, monkeypatch):

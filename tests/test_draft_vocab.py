@@ -79,6 +79,30 @@ def test_draft_vocab_file_roundtrip_cache_and_errors(tmp_path):
         _vocab_file(tmp_path, [4, 4])
 
 
+@pytest.mark.parametrize(
+    "ids,vocab_size,message",
+    [
+        (
+            [4, 261],
+            261,
+            r"holds the id 261, outside the vocabulary of 261 ids it was built for \(\[0, 261\)\)",
+        ),
+        ([4, -1], 261, r"holds the id -1, outside the vocabulary of 261 ids"),
+        ([4, 7, 4], 261, r"holds an id twice; ids must be distinct"),
+        ([4, 300], 300, r"holds the id 300, outside the vocabulary of 300 ids"),  # file says 300, id 300
+        ([[4, 5]], 261, r"is not a draft vocabulary file \(ids is not a list of ids"),
+        ([], 261, r"holds no token ids: rebuild it with this model's tokenizer"),
+    ],
+)
+def test_a_draft_vocab_with_an_id_out_of_range_names_the_id(tmp_path, ids, vocab_size, message):
+    """A file written by hand or for another tokenizer: the id that is out of range is named (not "built for
+    a vocabulary of 49152 ids but the drafting model has 49152")."""
+    path = tmp_path / "vocab.json"
+    path.write_text(json.dumps({"vocab_size": vocab_size, "size": len(ids), "ids": ids}))
+    with pytest.raises(ConfigError, match=message):
+        draft_vocab_ids(str(path), assisted_target())
+
+
 def test_draft_vocab_from_data_counts_trained_tokens(tmp_path):
     rows = [{"prompt": "zzzzzzzzzzzz", "response": "aaaa bb"}] * 3 + [{"prompt": "q", "response": "ab c"}]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))

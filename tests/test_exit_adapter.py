@@ -426,6 +426,37 @@ def test_the_speed_benchmark_runs_self_speculation_through_an_adapter(tmp_path):
         run(tiny_speed_cfg(tmp_path, "decoder=[autoregressive,self_speculative_adapter]", "hf_baseline=null"))
 
 
+@pytest.mark.parametrize(
+    "index,message",
+    [
+        ("{not json", r"adapters.json is not a run's adapter index"),
+        ('{"chosen": 1}', r"adapters.json is not a run's adapter index"),
+        ('{"adapters": ["E1"]}', r"adapters.json is not a run's adapter index"),
+        ('{"adapters": {"1": "E1", "2": "E2"}}', r"use different draft vocabularies.*adapter=.*/E<exit>"),
+    ],
+)
+def test_the_exit_report_refuses_a_bad_run_of_adapters_before_loading(tmp_path, monkeypatch, index, message):
+    """``eval/exits.py adapter=<run>``: an index without ``adapters`` (was a KeyError) or adapters of
+    different draft vocabularies (was a ValueError after the model loaded) are named errors, before any load."""
+    from hydra import compose, initialize_config_dir
+
+    from fastdecode.config import CONFIG_DIR
+    from fastdecode.exit_adapter import AdapterError
+    from fastdecode_cli.exits import run
+
+    model, tokenizer = tiny_model("tiny-llama")
+    m = EarlyExitModel(model)
+    run_dir = tmp_path / "run"
+    save_adapter(perturbed_adapter(m, 1, "block"), run_dir / "E1", m, tokenizer, vocab=torch.arange(3, 100))
+    save_adapter(perturbed_adapter(m, 2, "block"), run_dir / "E2", m, tokenizer)
+    (run_dir / "adapters.json").write_text(index)
+    monkeypatch.setattr("fastdecode.loading.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("exits", overrides=["model=tiny-llama", f"adapter={run_dir}", f"output_dir={tmp_path}"])
+    with pytest.raises(AdapterError, match=message):
+        run(cfg)
+
+
 def test_the_exit_report_compares_raw_exits_with_adapters(tmp_path):
     from fastdecode.exit_report import adapter_generation_report
 

@@ -61,6 +61,53 @@ def test_every_input_form_decodes_the_same(fd):
         fd.generate(3.5, max_new_tokens=2)
 
 
+BAD_INPUTS = {
+    "3-D tensor": (
+        torch.ones(1, 1, 3, dtype=torch.long),
+        r"inputs has shape \(1, 1, 3\); token ids are \[T\]",
+    ),
+    "0-D tensor": (torch.tensor(5), r"inputs has shape \(\); token ids are \[T\]"),
+    "float tensor": (torch.tensor([1.0, 2.0]), r"inputs holds torch.float32 values; token ids are integers"),
+    "float ids": ([1.0, 2.0], r"inputs must be token ids \(ints\); got float 1.0"),
+    "float rows": ([[1, 2], [3.5]], r"row 1 of inputs must be token ids \(ints\); got float 3.5"),
+    "nested rows": ([[[1, 2]]], r"row 0 of inputs must be token ids \(ints\); got list \[1, 2\]"),
+    "no input_ids": (
+        {"attention_mask": torch.ones(1, 3)},
+        r"a tokenizer batch needs input_ids; got the keys",
+    ),
+    "mask of another shape": (
+        {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 4)},
+        r"attention_mask has shape \(2, 4\) but input_ids \(2, 3\)",
+    ),
+    "float input_ids": ({"input_ids": torch.ones(1, 3)}, r"input_ids holds torch.float32 values"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_inputs_of_another_form_are_named(fd, name, monkeypatch):
+    """Every malformed input is a ConfigError naming what was given, before any decoding."""
+    inputs, message = BAD_INPUTS[name]
+    monkeypatch.setitem(DECODERS, "autoregressive", lambda *a, **k: pytest.fail("decoding started"))
+    with pytest.raises(ConfigError, match=message):
+        fd.generate(inputs, max_new_tokens=2, method="autoregressive")
+
+
+def test_a_method_that_is_no_name_and_too_many_new_tokens_are_named(fd):
+    with pytest.raises(ConfigError, match=r"Unknown decoder 'None'\. Choices: assisted, autoregressive"):
+        fd.generate("hi", max_new_tokens=2, method=None)
+    context = fd.model.config.max_position_embeddings
+    message = (
+        rf"max_new_tokens=1000000000 exceeds the model's context of {context} positions.*<= {context - 1}"
+    )
+    with pytest.raises(ConfigError, match=message):
+        fd.generate("hi", max_new_tokens=10**9, method="autoregressive")
+    with pytest.raises(
+        ConfigError,
+        match=rf"prompt 0 has \d+ tokens but the model's context .* is {context} and max_new_tokens={context - 2}",
+    ):
+        fd.generate("a long prompt", max_new_tokens=context - 2, method="autoregressive")
+
+
 def test_hf_aliases_and_misspelt_options(fd):
     cfg = fd.config(
         "self_speculative",
@@ -257,9 +304,40 @@ def test_every_model_generates_by_default():
     assert out.method == "prompt_lookup" and len(out.ids[0]) == 6
 
 
-def test_from_pretrained_names_what_it_cannot_load():
+def test_from_pretrained_names_what_it_cannot_load(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="neither a model directory, a hub id.*tiny-llama"):
         fastdecode.from_pretrained("no-such-model")
+    monkeypatch.setattr("fastdecode.api.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    for path in (str(tmp_path / "no" / "such"), "./no-such-dir", "~/no-such-dir/x"):
+        with pytest.raises(
+            ConfigError, match=rf"from_pretrained\('{re.escape(path)}'\): the path does not exist"
+        ):
+            fastdecode.from_pretrained(path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="the path is not a directory"):
+        fastdecode.from_pretrained(str(tmp_path / "config.json"))
+
+
+@pytest.mark.parametrize(
+    "value,shown", [("ab", "'ab'"), (99, "99"), (-1, "-1"), (0, "0"), (True, "True"), (3.0, "3.0")]
+)
+def test_a_recorded_exit_that_is_no_layer_is_refused_before_the_weights_load(
+    checkpoint_dir, tmp_path, monkeypatch, value, shown
+):
+    """``fastdecode.json``'s exit_layer must be an int in [1, L - 1] of the checkpoint's config.json (4 layers)."""
+    import shutil
+
+    from fastdecode.checkpoint import CheckpointError
+
+    final = tmp_path / "final"
+    shutil.copytree(checkpoint_dir, final)
+    write_sidecar(final, recipe="layerskip", run_name="layerskip-tiny-llama", exit_layer=value)
+    monkeypatch.setattr("fastdecode.api.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    message = (
+        rf"{re.escape(str(final / 'fastdecode.json'))}: exit_layer={re.escape(shown)} is not an exit layer"
+    )
+    with pytest.raises(CheckpointError, match=message + r".*has 4 layers.*int in \[1, 3\]"):
+        fastdecode.from_pretrained(str(final), device="cpu", dtype="float32")
 
 
 @pytest.mark.slow

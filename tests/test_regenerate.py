@@ -15,7 +15,7 @@ from fastdecode.data.splits import split_records
 from fastdecode.decoding import DecodeConfig, get_decoder
 from fastdecode.model import EarlyExitModel
 from fastdecode_cli.regenerate import run
-from tests.helpers import tiny_model, write_chat_jsonl
+from tests.helpers import second_eos_loader, tiny_model, write_chat_jsonl
 
 
 def _cfg(tmp_path, *extra):
@@ -62,3 +62,18 @@ def test_answers_are_the_models_greedy_output_and_a_rerun_resumes(tmp_path):
 def test_benchmarks_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="evaluation"):
         run(_cfg(tmp_path, "data=mt_bench"))
+
+
+def test_a_second_eos_of_the_generation_config_ends_the_answers(tmp_path, monkeypatch):
+    """The model's generation config declares a second EOS id (``fastdecode.tokens.eos_ids``): every answer
+    stops there (the tokenizer's EOS alone would run on for max_new_tokens=6)."""
+    import fastdecode.loading
+
+    declared: list[int] = []
+    monkeypatch.setattr(
+        fastdecode.loading, "load_model", second_eos_loader(fastdecode.loading.load_model, declared)
+    )
+    run(_cfg(tmp_path, "num_prompts=4"))
+    tokenizer = tiny_model("tiny-llama")[1]
+    answers = [json.loads(line)["response"] for line in (tmp_path / "own.jsonl").read_text().splitlines()]
+    assert answers == [tokenizer.decode(declared, skip_special_tokens=True)] * 4

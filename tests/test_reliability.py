@@ -447,6 +447,74 @@ def test_an_incomplete_checkpoint_is_named_by_speed_exits_and_loading(tmp_path, 
         load_model(hub)
 
 
+def _edit(final: Path, name: str, text: str | None = None, **values) -> None:
+    """``final/name`` edited by hand (its manifest, which would name the edit, dropped): replaced by ``text``
+    or, a JSON file, with ``values`` set."""
+    path = final / name
+    path.write_text(text if text is not None else json.dumps(json.loads(path.read_text()) | values))
+    (final / MANIFEST).unlink()
+
+
+@pytest.mark.parametrize(
+    "damage,named",
+    [
+        (
+            lambda d: _edit(d, "config.json", intermediate_size=512),
+            r"RuntimeError: You set `ignore_mismatched_sizes`",
+        ),
+        (lambda d: _edit(d, "config.json", hidden_act="nosuchact"), r"KeyError: 'nosuchact'"),
+        (
+            lambda d: _edit(d, "config.json", num_attention_heads=3),
+            r"not a multiple of the number of attention heads",
+        ),
+        (
+            lambda d: _edit(d, "config.json", model_type="nosuchtype"),
+            r"ValueError: .*model type `nosuchtype`",
+        ),
+        (
+            lambda d: _edit(d, "tokenizer.json", "{not json"),
+            r"the tokenizer files in .* cannot be read",
+        ),
+    ],
+)
+def test_a_foreign_or_damaged_directory_is_a_checkpoint_error(tmp_path, damage, named):
+    from fastdecode.config import ModelConfig
+    from fastdecode.loading import load_model
+
+    final = exported(tmp_path)
+    damage(final)
+    with pytest.raises(CheckpointError, match=named):
+        load_model(ModelConfig(name="mine", source="hub", name_or_path=str(final)))
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        ImportError("flash_attn is not installed"),
+        TypeError("from_pretrained() got an unexpected keyword argument 'dtype'"),  # a bug of ours
+        RuntimeError("a kernel failed"),
+    ],
+    ids=lambda err: type(err).__name__,
+)
+def test_what_is_not_the_directorys_fault_keeps_its_type_and_traceback(tmp_path, monkeypatch, raised):
+    """Loading a sound directory that fails for another reason (memory, a missing package, a bug) is not
+    called a damaged checkpoint: the error propagates as it is."""
+    import fastdecode.loading
+    from fastdecode.config import ModelConfig
+
+    class Loader:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            raise raised
+
+    final = exported(tmp_path)
+    monkeypatch.setattr(fastdecode.loading, "AutoModelForCausalLM", Loader)
+    with pytest.raises(type(raised)) as err:
+        fastdecode.loading.load_model(ModelConfig(name="mine", source="hub", name_or_path=str(final)))
+    assert err.value is raised and not isinstance(err.value, CheckpointError)
+
+
 # --------------------------------------------------------------------------------------- 8. checked early
 
 
@@ -468,6 +536,15 @@ def test_speed_and_exits_check_exit_layer_and_data_before_loading(tmp_path, monk
     cfg = speed_cfg("model=tiny-llama", "exit_layer=99", f"output_dir={tmp_path}", "n_prompts=1", selected)
     with pytest.raises(ConfigError, match=r"exit layer 99 must be in \[1, 3\] \(the model has 4 layers\)"):
         run_speed(cfg)
+    # No selected method drafts at E: a value that is no exit of this model is still refused, and so is a
+    # max_new_tokens that leaves no room for a prompt in the model's context
+    unused = ("model=tiny-llama", f"output_dir={tmp_path}", "decoder=[autoregressive]", "hf_baseline=null")
+    with pytest.raises(ConfigError, match=r"exit_layer=99 must be in \[1, 3\] \(the model has 4 layers\)"):
+        run_speed(speed_cfg(*unused, "exit_layer=99"))
+    with pytest.raises(
+        ConfigError, match=r"max_new_tokens=1000000 exceeds the model's context of 512 positions"
+    ):
+        run_speed(speed_cfg(*unused, "max_new_tokens=1000000"))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(
             config_name="exits", overrides=["model=tiny-llama", "data=jsonl", "data.path=/missing.jsonl"]

@@ -451,3 +451,37 @@ def test_quality_entry_point_keeps_to_the_trained_policy_before_the_model_loads(
         run(refused)
     with pytest.raises(RuntimeError, match="the model was loaded"):
         run(told_otherwise)
+
+
+def test_quality_report_stops_at_a_second_eos_of_the_generation_config(tmp_path, monkeypatch):
+    """Both decoders of the report stop at every EOS id the model declares (``fastdecode.tokens.eos_ids``), not
+    only at the tokenizer's: each row ends at the generation config's second EOS."""
+    import fastdecode.loading
+    from eval.skipdecode_quality import run
+    from tests.helpers import second_eos_loader
+
+    declared: list[int] = []
+    monkeypatch.setattr(
+        fastdecode.loading, "load_model", second_eos_loader(fastdecode.loading.load_model, declared)
+    )
+    rows: dict[str, list[list[int]]] = {"skipdecode": [], "autoregressive": []}
+
+    def spied(name: str, decode):
+        def call(*args, **kwargs):
+            out = decode(*args, **kwargs)
+            rows[name].extend(out.tokens)
+            return out
+
+        return call
+
+    for name in rows:
+        monkeypatch.setitem(DECODERS, name, spied(name, DECODERS[name]))
+    data = write_chat_jsonl(tmp_path / "chat.jsonl")
+    overrides = ["model=tiny-llama", "data=jsonl", f"data.path={data}", "data.held_out=4", "max_new_tokens=6"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        run(
+            compose(
+                config_name="skipdecode_quality", overrides=[*overrides, f"output_dir={tmp_path / 'out'}"]
+            )
+        )
+    assert rows["skipdecode"] == rows["autoregressive"] == [declared] * 4

@@ -293,15 +293,21 @@ def _sweep_methods(job: SpeedJob, methods: list[Method], draft: bool) -> list[Me
     return kept
 
 
-def check_exit_layers(methods: list[Method], num_layers: int) -> None:
+def check_exit_layers(methods: list[Method], num_layers: int, exit_layer: int | None = None) -> None:
     """Every method's exit layer E must leave layers to verify with: 1 <= E < num_layers (from the model's
-    config.json, before its weights load)."""
+    config.json, before its weights load). So must the job's ``exit_layer`` when no method drafts at it: a
+    value that could never be right is a typo or a mix-up of models, not an option to ignore."""
     for method in methods:
         if method.exit_layer is not None and not 1 <= method.exit_layer < num_layers:
             raise ConfigError(
                 f"method '{method.name}': exit layer {method.exit_layer} must be in [1, {num_layers - 1}] (the "
                 f"model has {num_layers} layers)."
             )
+    if exit_layer is not None and not 1 <= exit_layer < num_layers:
+        raise ConfigError(
+            f"exit_layer={exit_layer} must be in [1, {num_layers - 1}] (the model has {num_layers} layers), "
+            "even where no selected method drafts at an exit: set it in that range, or leave it out."
+        )
 
 
 def plan(cfg: Any) -> tuple[SpeedJob, list[Method], str]:

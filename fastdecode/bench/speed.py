@@ -32,6 +32,7 @@ from fastdecode.bench.engines import AutoRunner, FastdecodeRunner, HFRunner
 from fastdecode.bench.stats import Record, attach_matches, oracle_report, summarise
 from fastdecode.config import ConfigError
 from fastdecode.data.sources import load_records
+from fastdecode.decoding.common import check_context
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokens import eos_ids
 
@@ -146,7 +147,9 @@ def load_and_resolve(job: SpeedJob, methods: list[Method]):
     from fastdecode.loading import load_model, model_config
 
     target = target_model_config(job)
-    check_exit_layers(methods, model_config(target).num_hidden_layers)  # config.json, not the weights
+    config = model_config(target)  # config.json, not the weights
+    check_exit_layers(methods, config.num_hidden_layers, job.exit_layer)
+    check_context(config.max_position_embeddings, job.max_new_tokens, 1, "a prompt")
     model, tokenizer = load_model(target)
     draft = None
     if any(m.spec.uses_draft for m in methods):

@@ -72,7 +72,12 @@ def assistant_spans(
         else:  # the template rewrites earlier turns: locate the reply in the full text instead
             start = text.find(msg["content"].strip(), cursor)
             if start < 0:
-                raise ValueError(f"assistant turn {k} not found in the rendered chat template")
+                raise ConfigError(
+                    f"assistant turn {k} ({msg['content'].strip()[:40]!r}) is not in the conversation as the "
+                    "tokenizer's chat template renders it (the template rewrites or drops that reply), so its "
+                    "labels cannot be placed: set data.assistant_only_loss=false (every token a label) or use "
+                    "a tokenizer whose template keeps assistant replies as they are (model.tokenizer=...)."
+                )
             turn_end = len(text)
         if start >= until:
             break

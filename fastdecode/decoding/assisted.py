@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from fastdecode.config import ConfigError
 from fastdecode.cost import cost_model
-from fastdecode.decoding.common import DecodeConfig
+from fastdecode.decoding.common import DecodeConfig, check_context
 from fastdecode.decoding.draft_vocab import draft_vocab_ids
 from fastdecode.decoding.drafters import ProposerKind, Setup
 from fastdecode.decoding.proposers import DraftModelProposer
@@ -57,14 +57,9 @@ def check_draft(
         raise ConfigError(
             f"the draft model is on {draft.device} but the target on {m.device}; load both on one device."
         )
-    context = draft.config.max_position_embeddings
     longest = max((len(p) for p in prompts), default=0)
-    if longest + cfg.max_new_tokens > context:
-        raise ConfigError(
-            f"the longest prompt has {longest} tokens but the draft model's context (max_position_embeddings) "
-            f"is {context} and max_new_tokens={cfg.max_new_tokens}: prompts may have at most "
-            f"{context - cfg.max_new_tokens} tokens; shorten the prompt or lower max_new_tokens."
-        )
+    context = draft.config.max_position_embeddings
+    check_context(context, cfg.max_new_tokens, longest, "the longest prompt", "draft model")
     draft_vocab_ids(cfg.draft_vocab, draft)  # a draft vocabulary that does not fit the draft model
 
 

@@ -138,9 +138,7 @@ class DecodeOutput:
     layer_calls: int = 0
     fast_forward: list[int] = field(default_factory=list)
     stationary: list[int] = field(default_factory=list)
-    by_proposer: dict[str, list[int]] = field(
-        default_factory=dict
-    )  # name -> [accepted, drafted, drafting rounds]
+    by_proposer: dict[str, list[int]] = field(default_factory=dict)  # name -> [accepted, drafted, rounds]
 
     @property
     def num_tokens(self) -> int:
@@ -209,18 +207,27 @@ def check(cfg: DecodeConfig, m: EarlyExitModel, prompts: list[list[int]] | None 
         return
     if not prompts:
         raise ConfigError("no prompts given: pass a list of token-id lists.")
-    context = m.config.max_position_embeddings
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ConfigError(f"prompt {i} is empty: every row needs at least one token (e.g. BOS).")
-        if len(prompt) + cfg.max_new_tokens > context:
-            raise ConfigError(
-                f"prompt {i} has {len(prompt)} tokens but the model's context (max_position_embeddings) is "
-                f"{context} and max_new_tokens={cfg.max_new_tokens}: prompts may have at most "
-                f"{context - cfg.max_new_tokens} tokens; shorten the prompt or lower max_new_tokens."
-            )
+        check_context(m.config.max_position_embeddings, cfg.max_new_tokens, len(prompt), f"prompt {i}")
         if min(prompt) < 0 or max(prompt) >= m.vocab_size:
             raise ConfigError(f"prompt {i} has token ids outside the vocabulary [0, {m.vocab_size}).")
+
+
+def check_context(context: int, max_new_tokens: int, tokens: int, prompt: str, whose: str = "model") -> None:
+    """``prompt`` (``tokens`` long) and ``max_new_tokens`` new tokens must fit the ``whose``'s ``context``."""
+    if max_new_tokens >= context:  # no prompt fits, whatever its length
+        raise ConfigError(
+            f"max_new_tokens={max_new_tokens} exceeds the {whose}'s context of {context} positions "
+            f"(max_position_embeddings), which holds the prompt too: use max_new_tokens <= {context - 1}."
+        )
+    if tokens + max_new_tokens > context:
+        raise ConfigError(
+            f"{prompt} has {tokens} tokens but the {whose}'s context (max_position_embeddings) is {context} and "
+            f"max_new_tokens={max_new_tokens}: prompts may have at most {context - max_new_tokens} tokens; "
+            "shorten the prompt or lower max_new_tokens."
+        )
 
 
 def refuse_draft_model(name: str, draft: EarlyExitModel | None) -> None:

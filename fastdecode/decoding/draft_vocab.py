@@ -39,11 +39,13 @@ def draft_vocab_ids(path: str | os.PathLike | None, m: EarlyExitModel) -> torch.
     if not path.is_file():
         load_draft_vocab(path)  # raises the ConfigError that says how to build one
     ids, vocab_size = _LOADED.get([path], lambda: _load(path, m.device), key=str(m.device))
+    where = f"decoder.draft_vocab={str(path)!r}"  # its ids are in [0, vocab_size) (load_draft_vocab)
+    if len(ids) == 0:
+        raise ConfigError(f"{where} holds no token ids: rebuild it with this model's tokenizer.")
     # A tokenizer may be shorter than its model's (padded) embedding, never longer.
-    if vocab_size > m.vocab_size or (len(ids) and int(ids.max()) >= m.vocab_size) or len(ids) == 0:
+    if vocab_size > m.vocab_size:
         raise ConfigError(
-            f"decoder.draft_vocab={str(path)!r} was built for a vocabulary of {vocab_size} ids "
-            f"({len(ids)} of them kept) but the drafting model has {m.vocab_size}: rebuild it with this "
-            "model's tokenizer."
+            f"{where} was built for a vocabulary of {vocab_size} ids but the drafting model has "
+            f"{m.vocab_size}: rebuild it with this model's tokenizer."
         )
     return ids
