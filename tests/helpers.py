@@ -265,3 +265,10 @@ def synthetic_records(prompts: int = 6, n: int = 4, seed: int = 0, labels: bool 
             records.append(validate_record(rec))
             prefix += fixed
     return records
+
+
+def assert_drafted_and_accepted(out, *context) -> None:
+    """``out`` (a speculative decoder's ``DecodeOutput``) came from drafting: tokens were drafted and some
+    accepted. An equality test alone would pass with drafting off (every round a plain step)."""
+    drafted, accepted = sum(out.drafted), sum(out.accepted)
+    assert drafted > 0 and accepted > 0, (*context, f"drafted {drafted}, accepted {accepted}")
