@@ -25,7 +25,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, to_dataclass
-from fastdecode.data.chat import user_prompt_ids
+from fastdecode.data.chat import training_prompts
 from fastdecode.data.config import DataConfig, check_data_files, check_trainable
 from fastdecode.io import atomic_write_text, check_writable
 from fastdecode_cli.launch import check_command_line, one_line_errors
@@ -46,20 +46,7 @@ class RegenerateJob:
 
 def _prompts(job: RegenerateJob, tokenizer: Any) -> list[tuple[str, list[int]]]:
     """(first user turn, chat-templated prompt ids) of the training split, in split order."""
-    from fastdecode.data.sources import load_records
-
-    train = load_records(dataclasses.replace(job.data, max_samples=None), "train")
-    out = []
-    for rec in train:
-        user = next((t["content"] for t in rec["messages"] if t["role"] == "user"), "")
-        if not user.strip():
-            continue
-        ids = user_prompt_ids(tokenizer, user)
-        if len(ids) <= job.max_prompt_tokens:
-            out.append((user, ids))
-        if len(out) == job.num_prompts:
-            break
-    return out
+    return training_prompts(job.data, tokenizer, job.num_prompts, job.max_prompt_tokens)
 
 
 def _done(path: Path) -> list[str]:

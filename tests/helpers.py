@@ -293,3 +293,10 @@ def second_eos_loader(load: Callable, declared: list[int]) -> Callable:
         return model, tokenizer
 
     return loader
+
+
+def assert_drafted_and_accepted(out, *context) -> None:
+    """``out`` (a speculative decoder's ``DecodeOutput``) came from drafting: tokens were drafted and some
+    accepted. An equality test alone would pass with drafting off (every round a plain step)."""
+    drafted, accepted = sum(out.drafted), sum(out.accepted)
+    assert drafted > 0 and accepted > 0, (*context, f"drafted {drafted}, accepted {accepted}")

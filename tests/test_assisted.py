@@ -13,6 +13,7 @@ from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig, get_decoder
 from fastdecode.decoding import proposers as proposers_module
 from tests.conftest import ENGINES, REFERENCE
 from tests.helpers import (
+    assert_drafted_and_accepted,
     assisted_target,
     draft_model,
     exact_joint,
@@ -53,7 +54,7 @@ def test_assisted_greedy_equals_autoregressive(kind, engine):
             assert assisted(m, [prompts[i]], cfg, draft=draft).tokens == [ref[i]], (policy, i)
         assert out.oracle == out.accepted  # greedy: accepted = leading agreement with the target
         low, high = {"copy": (0.3, 1), "window": (0.1, 1), "other": (-1, 0.2)}[kind]
-        assert low < out.acceptance_rate < high, policy
+        assert low < out.acceptance_rate < high and sum(out.drafted) > 0, policy
         if kind == "copy" and policy != "adaptive":
             selfspec = self_speculative(m, prompts, replace(cfg, exit_layer=2))
             assert (out.accepted, out.drafted) == (selfspec.accepted, selfspec.drafted), policy
@@ -84,7 +85,9 @@ def test_assisted_equals_hf_assisted_generation():
         eos_token_id=None,
         pad_token_id=0,
     )
-    assert assisted(m, [prompt], cfg, draft=draft).tokens[0] == ref[0, len(prompt) :].tolist()
+    ours = assisted(m, [prompt], cfg, draft=draft)
+    assert ours.tokens[0] == ref[0, len(prompt) :].tolist()
+    assert_drafted_and_accepted(ours)
 
 
 def test_drafter_cache_holds_exactly_the_accepted_tokens(monkeypatch):

@@ -36,6 +36,7 @@ BAD_INPUT = {
         "batch_size",
     ),
     "fastdecode-train-cost": ("train_cost", ["--model", "nosuch"], "Unknown model 'nosuch'"),
+    "fastdecode-lookup-replay": ("lookup_replay", ["num_prompts=0", "model=tiny-llama"], "num_prompts"),
 }
 
 

@@ -16,7 +16,14 @@ from fastdecode.decoding.policies import Adaptive, Confidence, Constant, DraftPo
 from fastdecode.decoding.speculative import Draft, Verdict, accept
 from fastdecode.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
-from tests.helpers import exact_joint, lively_model, pair_pvalues, random_prompts, tiny_vocab_model
+from tests.helpers import (
+    assert_drafted_and_accepted,
+    exact_joint,
+    lively_model,
+    pair_pvalues,
+    random_prompts,
+    tiny_vocab_model,
+)
 
 autoregressive = DECODERS["autoregressive"]
 self_speculative = DECODERS["self_speculative"]
@@ -96,6 +103,7 @@ def test_self_speculative_greedy_equals_autoregressive(name, upper_scale, engine
         for i in (3, 4):
             assert self_speculative(m, [prompts[i]], cfg).tokens == [ref[i]], (exit_layer, policy, i)
         assert out.oracle == out.accepted  # greedy: accepted = leading agreement with the verifier
+        assert_drafted_and_accepted(out, exit_layer, policy)
         rates.append(out.acceptance_rate)
     if upper_scale < 1:  # long accepted runs, ragged rows and bonus tokens were exercised
         assert min(rates) > 0.3 and max(rates) < 1
@@ -128,7 +136,9 @@ def test_eos_stops_each_row_once(engine):
     for row, full in zip(ref, free, strict=True):
         assert row == (full[: full.index(eos) + 1] if eos in full else full)
     for policy in POLICIES:
-        assert self_speculative(m, prompts, replace(cfg, exit_layer=2, policy=policy)).tokens == ref
+        out = self_speculative(m, prompts, replace(cfg, exit_layer=2, policy=policy))
+        assert out.tokens == ref
+        assert_drafted_and_accepted(out, policy)
 
 
 def test_confidence_policy_stops_right_after_the_unconfident_token():
@@ -289,6 +299,7 @@ def test_cache_after_self_speculation_is_the_full_model_cache(engine):
     valid = cache.key_valid[:, : cache.lengths[0]].sum(1).tolist()
     assert valid == [len(p) + len(t) - 1 for p, t in zip(prompts, out.tokens, strict=True)]
     assert len(set(cache.lengths)) == 1
+    assert 0 < sum(out.accepted) < sum(out.drafted)  # drafts were kept and rolled back: holes were made
 
 
 # --------------------------------------------------------------------------------------------------------

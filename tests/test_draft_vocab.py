@@ -20,6 +20,7 @@ from fastdecode.model import EarlyExitModel
 from fastdecode.tokenizer import byte_tokenizer
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.helpers import (
+    assert_drafted_and_accepted,
     assisted_target,
     draft_model,
     exact_joint,
@@ -168,6 +169,7 @@ def test_a_draft_vocab_of_every_token_reproduces_the_drafts(decoder, tmp_path):
             plain.accepted,
             plain.drafted,
         )
+        assert_drafted_and_accepted(plain, policy)
     sampled = DecodeConfig(max_new_tokens=16, draft_tokens=4, temperature=1.0, top_k=20, seed=3)
     in_order = replace(sampled, draft_vocab=_vocab_file(tmp_path, torch.arange(261), "o.json"))
     assert run(m, prompts, in_order).tokens == run(m, prompts, sampled).tokens

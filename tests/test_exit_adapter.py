@@ -39,6 +39,7 @@ from fastdecode.model import EarlyExitModel
 from fastdecode.tensor_shards import ShardHeaderError, ShardReader, ShardWriter
 from tests.conftest import TINY_MODELS
 from tests.helpers import (
+    assert_drafted_and_accepted,
     exact_joint,
     lively_model,
     pair_pvalues,
@@ -152,6 +153,7 @@ def test_a_saved_and_loaded_adapter_gives_identical_drafts(tmp_path):
     a = self_speculative(m, prompts, replace(cfg, adapter=first))
     b = self_speculative(m, prompts, replace(cfg, adapter=second))
     assert a.accepted == b.accepted and a.oracle == b.oracle and a.tokens == b.tokens
+    assert_drafted_and_accepted(a)
 
 
 def test_an_adapter_saved_again_into_the_same_directory_is_loaded_again(tmp_path):

@@ -33,7 +33,7 @@ from fastdecode.families import FAMILIES, Family
 from fastdecode.loading import load_model
 from fastdecode.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE
-from tests.helpers import lively_model, tiny_model
+from tests.helpers import assert_drafted_and_accepted, lively_model, tiny_model
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -71,6 +71,7 @@ def test_a_family_added_the_documented_way_runs_like_hf(toy_family):
             cfg = DecodeConfig(max_new_tokens=6, exit_layer=2 if name == "self_speculative" else None)
             out = DECODERS[name](m, prompts, dataclasses.replace(cfg, **ENGINES[engine]))
             assert out.tokens == ref, (name, engine)
+            assert_drafted_and_accepted(out, name, engine)
 
 
 def test_a_family_missing_from_the_registry_is_refused_by_name(toy_family, monkeypatch):

@@ -17,7 +17,7 @@ from fastdecode.config import ConfigError
 from fastdecode.decoding import DECODERS
 from fastdecode.draft_vocab_file import save_draft_vocab
 from fastdecode.skipdecode import SkipOptions, SkipPolicyMismatchError
-from tests.helpers import tiny_model
+from tests.helpers import assert_drafted_and_accepted, tiny_model
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -37,6 +37,8 @@ def test_the_readme_example_runs():
     exec(compile(code, "README.md", "exec"), scope)
     fast, plain = scope["fast"], scope["plain"]
     assert isinstance(fast.text, str) and fast.text == plain.text and fast.ids == plain.ids
+    for drafted in (fast, scope["exit2"]):  # the equality above holds with drafting off too
+        assert_drafted_and_accepted(drafted.output, drafted.method)
     assert 0 <= fast.acceptance <= 1 and fast.tokens_per_verification >= 1
     assert plain.acceptance is None and plain.tokens_per_verification is None
     assert isinstance(fastdecode.__version__, str) and fastdecode.__version__
@@ -151,6 +153,7 @@ def test_streamer_gets_the_prompt_then_every_new_token(fd):
     out = fd.generate("Hello there", max_new_tokens=7, exit_layer=2, draft_tokens=3, streamer=streamer)
     assert streamer.puts[0] == fd._encode("Hello there", None) and streamer.ended
     assert sum(streamer.puts[1:], []) == out.ids[0] and len(out.ids[0]) == 7
+    assert_drafted_and_accepted(out.output)  # accepted drafts arrive together
     with pytest.raises(ConfigError, match="streams one row"):
         fd.generate(["a", "b"], max_new_tokens=2, method="autoregressive", streamer=_Streamer())
 
@@ -186,6 +189,7 @@ def test_from_pretrained_reads_what_the_checkpoint_records(checkpoint_dir):
     # No acceptance recorded for E: the default decodes with prompt lookup, which needs nothing recorded.
     auto = fd.generate(prompt, max_new_tokens=10)
     assert auto.method == "prompt_lookup" and auto.text == plain.text
+    assert_drafted_and_accepted(auto.output)
     assert fd.plan().not_paying == [] and [c.name for c in fd.plan().candidates] == ["prompt_lookup"]
 
 
@@ -233,6 +237,7 @@ def test_the_default_decoder_is_what_the_checkpoint_expects_to_pay(checkpoint_di
         out = fd.generate("Tell me", max_new_tokens=10)
         assert out.method == expected and out.candidate is fd.plan().best
         assert out.text == fd.generate("Tell me", max_new_tokens=10, method="autoregressive").text
+        assert_drafted_and_accepted(out.output, expected)
         if expected == "self_speculative":
             assert out.config.chain and out.config.exit_layer == 3 and "exit" in out.output.by_proposer
         else:

@@ -17,12 +17,13 @@ from fastdecode.decoding import DECODERS, POLICIES, PROPOSERS, DecodeConfig, Loo
 from fastdecode.decoding.lookahead import LookaheadProposer
 from fastdecode.decoding.ngram import ChainProposer, NgramIndex, PromptLookupProposer
 from fastdecode.decoding.proposers import DraftModelProposer, ExitProposer
-from fastdecode.decoding.speculative import Draft, Settled
+from fastdecode.decoding.speculative import Draft, Settled, Verdict
 from fastdecode.draft_vocab_file import save_draft_vocab
 from fastdecode.exit_adapter import save_adapter
 from fastdecode.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.helpers import (
+    assert_drafted_and_accepted,
     assisted_target,
     draft_model,
     exact_joint,
@@ -75,7 +76,9 @@ def _round(rows_tokens, prompts, limit):
 
 def test_prompt_lookup_drafts_per_row_cuts_at_eos_and_learns_what_pays():
     m = lively_model("tiny-llama")
-    cfg = DecodeConfig(max_new_tokens=50, eos_token_id=99, lookup=LookupOptions(max_ngram_size=2))
+    cfg = DecodeConfig(
+        max_new_tokens=50, eos_token_id=99, lookup=LookupOptions(max_ngram_size=2, eos="after")
+    )
     costs = estimate_costs(m)
     prompts = [[10, 11, 12, 99, 13, 14], [20, 21, 22]]
     proposer = PromptLookupProposer(prompts, cfg, costs, m.vocab_size)
@@ -83,6 +86,9 @@ def test_prompt_lookup_drafts_per_row_cuts_at_eos_and_learns_what_pays():
     draft = proposer.propose(_round([[10, 11], [5]], prompts, 4))
     # Row 0: "10 11" occurred before, followed by 12, 99 (EOS: the draft stops there); row 1: no match.
     assert draft.lengths == [2, 0] and draft.tokens[0, :2].tolist() == [12, 99]
+    default = PromptLookupProposer(prompts, replace(cfg, lookup=LookupOptions(max_ngram_size=2)), costs, 261)
+    default.policy = POLICIES["constant"](4)
+    assert default.propose(_round([[10, 11], [5]], prompts, 4)).lengths == [1, 0]  # cut before the EOS
     assert proposer.token_cost() == 0.0 and proposer.vocab is None and proposer.depth == 0
     assert proposer.round_cost(2) == pytest.approx(costs.verify(3))
     # The cost-aware policy, on a CPU-like cost model (verifying 2 tokens costs 1.13 steps), drafts while the
@@ -200,17 +206,25 @@ def test_ngram_drafting_greedy_equals_autoregressive(name, decoder):
             assert DECODERS[method](model, prompts[:3], cfg).tokens == ref[:3], (policy, decoder)
             for i in (3, 4):
                 assert DECODERS[method](model, [prompts[i]], cfg).tokens == [ref[i]], (policy, decoder, i)
-            assert out.oracle == out.accepted and sum(out.drafted) > 0
+            assert out.oracle == out.accepted
+            assert_drafted_and_accepted(out, policy, decoder)
 
 
 @pytest.mark.parametrize("engine", ["hf", "static"])
 def test_ngram_drafting_on_every_execution_path(engine):
-    m = lively_model("tiny-mistral", 0.1)
+    """A model that does not repeat itself (rejected drafts) and one that does (accepted runs): every decoder's
+    drafts are accepted on one of them at least."""
     prompts = random_prompts(6, seed=50)
     base = DecodeConfig(max_new_tokens=16, draft_tokens=3, **ENGINES[engine])
-    ref = autoregressive(m, prompts, replace(base, **REFERENCE)).tokens
-    for method, options in N_GRAM_DECODERS.values():
-        assert DECODERS[method](m, prompts, replace(base, **options)).tokens == ref, method
+    accepted = dict.fromkeys(N_GRAM_DECODERS, 0)
+    for m in (lively_model("tiny-mistral", 0.1), EarlyExitModel(tiny_model("tiny-mistral")[0])):
+        ref = autoregressive(m, prompts, replace(base, **REFERENCE)).tokens
+        for name, (method, options) in N_GRAM_DECODERS.items():
+            out = DECODERS[method](m, prompts, replace(base, **options))
+            assert out.tokens == ref, name
+            assert sum(out.drafted) > 0, name
+            accepted[name] += sum(out.accepted)
+    assert all(accepted.values()), accepted
 
 
 def test_chain_with_an_adapter_and_with_a_draft_model_equals_autoregressive(tmp_path):
@@ -225,8 +239,10 @@ def test_chain_with_an_adapter_and_with_a_draft_model_equals_autoregressive(tmp_
         through = DECODERS["self_speculative"](m, prompts, replace(base, adapter=path, policy=policy))
         assert through.tokens == ref, policy
         assert set(through.by_proposer) <= {"adapter", "prompt_lookup"} and "adapter" in through.by_proposer
+        assert through.by_proposer["adapter"][0] > 0, policy  # the adapter's own drafts were accepted
         two = DECODERS["assisted"](m, prompts, replace(base, policy=policy), draft=draft_model("copy"))
         assert two.tokens == ref, policy
+        assert two.by_proposer["draft_model"][0] > 0, policy
 
 
 def test_a_chain_drafts_from_the_lookup_where_the_text_matches():
@@ -323,3 +339,68 @@ def test_ngram_decoders_refuse_what_they_cannot_do():
     with pytest.raises(ConfigError, match="Unknown cost model 'fast'"):
         DecodeConfig(max_new_tokens=4, costs="fast")
     assert list(itertools.islice(DECODERS, 0, None)).count("prompt_lookup") == 1
+
+
+# --------------------------------------------------------------------------------------------------------
+# Lookahead's Jacobi pool (fastdecode/decoding/lookahead.py)
+def test_the_lookahead_pool_keeps_the_verifiers_trajectory_and_drafts_from_it():
+    """After a verification of [t, d1..d4] that accepted one draft, the pool holds, keyed by each token of the
+    verifier's predictions from the correction on, the predictions that follow it; a row with no lookup match
+    whose last token is a key drafts that n-gram (padded with the token: Jacobi's repeat guess)."""
+    cfg = DecodeConfig(max_new_tokens=50, draft_tokens=4)
+    proposer = LookaheadProposer([[30, 31, 32]], cfg, estimate_costs(lively_model("tiny-llama")), 261)
+    proposer.policy = POLICIES["constant"](4)
+    r = _round([[40]], [[30, 31, 32]], 4)
+    draft = proposer.propose(r)
+    assert draft.tokens.tolist() == [[40] * 4] and draft.sources == ["lookahead"]  # empty pool: repeat guess
+    target = torch.tensor([[7, 8, 9, 10, 11]])  # the verifier's argmax at [t, d1..d4]
+    verdict = Verdict(torch.tensor([1]), torch.tensor([8]), torch.tensor([1]), target)
+    proposer.update(r, draft, verdict, Settled(accepted=[1], kept=[1], lengths=[4]))
+    assert proposer.pools[0] == {8: [9, 10, 11], 9: [10, 11], 10: [11]}
+    again = proposer.propose(_round([[40, 41, 8]], [[30, 31, 32]], 4))
+    assert again.tokens.tolist() == [[9, 10, 11, 8]] and again.sources == ["lookahead"]
+
+
+def test_lookahead_pool_drafts_are_proposed_and_accepted_in_decoding(monkeypatch):
+    """Decoding random prompts: every row's pool fills with n-grams of the verifier's own predictions, and
+    rounds that draft from the pool (no lookup match, the last token a key) get drafts accepted. A pool that
+    stores nothing drafts only repeat guesses, and fails here."""
+    rounds, pool_rounds = [], []
+    propose, update = LookaheadProposer.propose, LookaheadProposer.update
+
+    def spy_propose(self, r):
+        last = r.last.tolist()
+        entries = [list(self.pools[row].get(last[row], [])) for row in range(len(last))]
+        draft = propose(self, r)
+        rounds.append((entries, draft))
+        return draft
+
+    def spy_update(self, r, draft, verdict, done):
+        entries = rounds[-1][0]
+        for row, accepted in enumerate(done.accepted):
+            if accepted is not None and draft.sources[row] == "lookahead" and entries[row]:
+                guess = entries[row][: draft.row_lengths()[row]]  # the pool's n-gram, up to the round's limit
+                assert draft.tokens[row, : len(guess)].tolist() == guess
+                pool_rounds.append(accepted)
+            if accepted is not None:  # what the pool may hold after this round: the verifier's trajectories
+                trajectories[row].append(verdict.target[row, accepted : done.lengths[row] + 1].tolist())
+        update(self, r, draft, verdict, done)
+        pools.append(self.pools)
+
+    monkeypatch.setattr(LookaheadProposer, "propose", spy_propose)
+    monkeypatch.setattr(LookaheadProposer, "update", spy_update)
+    m = lively_model("tiny-llama")
+    prompts = random_prompts(6, seed=5)
+    trajectories, pools = [[] for _ in prompts], []
+    cfg = DecodeConfig(max_new_tokens=40, draft_tokens=4, policy="constant")
+    out = DECODERS["lookahead"](m, prompts, cfg)
+    assert out.tokens == autoregressive(m, prompts, DecodeConfig(max_new_tokens=40)).tokens
+    for row, pool in enumerate(pools[-1]):
+        assert len(pool) >= 10, row
+        for key, tail in pool.items():  # each n-gram is a run of the verifier's predictions in one round
+            gram = [key, *tail]
+            assert any(gram == t[i : i + len(gram)] for t in trajectories[row] for i in range(len(t))), (
+                row,
+                gram,
+            )
+    assert len(pool_rounds) > 50 and sum(1 for a in pool_rounds if a > 0) >= 3

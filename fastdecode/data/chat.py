@@ -11,6 +11,7 @@ token of one sample is never trained to predict the first token of the next.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 
 from fastdecode.config import ConfigError
 from fastdecode.data.config import DataConfig, check_trainable
-from fastdecode.data.sources import read_records_with_stats
+from fastdecode.data.sources import load_records, read_records_with_stats
 from fastdecode.data.splits import split_records
 from fastdecode.progress import Progress, phase
 from fastdecode.tokens import IGNORE_INDEX
@@ -47,6 +48,25 @@ def user_prompt_ids(tokenizer: Any, user: str) -> list[int]:
     what the model continues when asked ``user`` (the template already holds any special tokens)."""
     text = _render(tokenizer, [{"role": "user", "content": user}], generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def training_prompts(
+    cfg: DataConfig, tokenizer: Any, count: int, max_tokens: int
+) -> list[tuple[str, list[int]]]:
+    """``(first user turn, its prompt ids: user_prompt_ids)`` of the first ``count`` conversations of ``cfg``'s
+    training split (never a held-out or input-grounded one) whose prompt has at most ``max_tokens`` tokens, in
+    split order: the prompts the model's own answers are generated for."""
+    out = []
+    for rec in load_records(dataclasses.replace(cfg, max_samples=None), "train"):
+        user = next((t["content"] for t in rec["messages"] if t["role"] == "user"), "")
+        if not user.strip():
+            continue
+        ids = user_prompt_ids(tokenizer, user)
+        if len(ids) <= max_tokens:
+            out.append((user, ids))
+        if len(out) == count:
+            break
+    return out
 
 
 def assistant_spans(

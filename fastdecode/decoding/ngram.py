@@ -1,8 +1,10 @@
 """N-gram proposers: drafts looked up in the text a row already holds, free to make.
 
 - ``PromptLookupProposer`` (prompt lookup decoding, transformers' ``prompt_lookup_num_tokens``): for n from
-  ``decoder.lookup.max_ngram_size`` down to ``min_ngram_size``, the continuation of the most recent earlier
-  occurrence of the row's last n tokens in its prompt and the text generated so far, cut after an EOS token.
+  ``decoder.lookup.max_ngram_size`` down to ``min_ngram_size``, the continuation of the most recent (or, with
+  ``decoder.lookup.match=earliest``, the first) earlier occurrence of the row's last n tokens in its prompt
+  and the text generated so far, cut before an EOS token (``NgramIndex``: how this differs from transformers
+  and vLLM).
   A row with no match drafts nothing that round and pays nothing: its round is a plain decoding step.
 - ``ChainProposer``: a row drafts from the lookup when it matches and from a model proposer (the exit, the exit
   adapter, a draft model) otherwise. When every decoding row matches, the lookup's draft passes the model
@@ -13,7 +15,7 @@ How long a lookup draft is: the policy's limit (``decoder.draft_tokens``), and w
 (``adaptive``) the width the cost model expects to pay best for the batch (``PromptLookupProposer.cut``: a
 verification is as wide as the batch's longest draft, so every row is cut at one width), from the acceptance
 this proposer has seen so far per match length n and draft position, starting from ``PRIOR``: a 1-token match
-is weak evidence (its first token lands about one time in five), a 3-token match strong. On this kind of CPU a
+is weak evidence (its first token lands about one time in five), a 4-token match strong. On this kind of CPU a
 verification over 4+ tokens costs far more than one over 2-3 (docs/BENCHMARKS.md): the cost-aware width sees
 that.
 
@@ -22,22 +24,46 @@ Drafts are deterministic, so their q is a one-hot: sampling stays lossless (``sp
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from fastdecode.config import ConfigError
 from fastdecode.cost import CostModel, expected_tokens
 from fastdecode.decoding.common import DecodeConfig
+from fastdecode.decoding.options import EOS_CUTS, MATCHES, LookupOptions
 from fastdecode.decoding.proposers import Proposer, one_hot
 from fastdecode.decoding.speculative import Draft, Round, Verdict
 
 
 class NgramIndex:
-    """One row's tokens with, per n, the start of the most recent occurrence of every n-gram that has a
-    continuation (so a lookup never finds the row's own last n tokens)."""
+    """One row's tokens with, per n, the start of one occurrence of every n-gram that has a continuation (so a
+    lookup never finds the row's own last n tokens): the most recent (``match="recent"``) or the first
+    (``"earliest"``), kept as the tokens arrive, so a lookup costs one dict access per n.
 
-    def __init__(self, max_n: int) -> None:
+    Against the reference implementations, all of which search the prompt and the output so far for the
+    longest matching suffix first and never draft past the row's current end: transformers (5.x,
+    ``PromptLookupCandidateGenerator``) takes the earliest occurrence, n <= ``max_matching_ngram_size`` = 2 by
+    default, and cuts the draft before an EOS; vLLM (v1 ``NgramProposer``) takes the earliest occurrence of the
+    longest n in [``prompt_lookup_min``, ``prompt_lookup_max``] (5 and 5 unless set) and does not cut at EOS.
+    Here the defaults are the most recent occurrence, n from 4 down to 1, cut before an EOS: replaying
+    SmolLM2's answers, the most recent occurrence gives 0.3-1.9% more expected speedup than the earliest
+    (docs/BENCHMARKS.md, "Prompt lookup: which occurrence, which n, where EOS cuts").
+
+    ``stop``: the EOS ids. ``eos="before"`` (transformers): a continuation ends before its first EOS (one that
+    starts with it drafts nothing); ``"after"``: the EOS is drafted and ends it. Never past an EOS: a row stops
+    there, so tokens after it could not count (vLLM drafts on)."""
+
+    def __init__(
+        self, max_n: int, *, match: str = "recent", stop: Iterable[int] = (), eos: str = "before"
+    ) -> None:
+        if match not in MATCHES or eos not in EOS_CUTS:
+            raise ValueError(f"match={match!r}, eos={eos!r}: need one of {MATCHES} and one of {EOS_CUTS}")
         self.tokens: list[int] = []
         self.max_n = max_n
+        self.earliest = match == "earliest"
+        self.stop = frozenset(stop)
+        self.before = eos == "before"
         self.starts: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
 
     def extend(self, new: list[int]) -> None:
@@ -45,24 +71,39 @@ class NgramIndex:
         for token in new:
             end = len(tokens)  # the n-grams ending at end - 1 now have a continuation: ``token``
             for n in range(1, min(self.max_n, end) + 1):
-                self.starts[n][tuple(tokens[end - n : end])] = end - n
+                key = tuple(tokens[end - n : end])
+                if self.earliest:
+                    self.starts[n].setdefault(key, end - n)
+                else:
+                    self.starts[n][key] = end - n
             tokens.append(token)
 
     def lookup(self, min_n: int, limit: int) -> tuple[list[int], int]:
-        """``(continuation of at most limit tokens, n)`` of the longest matching suffix; ``([], 0)`` if none."""
+        """``(continuation of at most limit tokens, n)`` of the longest matching suffix; ``([], 0)`` if none.
+        The continuation never runs past the row's current end, nor past an EOS (see the class docstring)."""
         tokens = self.tokens
         for n in range(min(self.max_n, len(tokens) - 1), min_n - 1, -1):
             start = self.starts[n].get(tuple(tokens[len(tokens) - n :]))
             if start is not None:
-                return tokens[start + n : start + n + limit], n
+                found = tokens[start + n : start + n + limit]
+                cut = next((i for i, t in enumerate(found) if t in self.stop), None)
+                if cut is not None:
+                    found = found[: cut if self.before else cut + 1]
+                return found, n
         return [], 0
 
 
-# Prior conditional acceptance of draft position i (0, 1, 2+) after an n-token match, weighing PRIOR_WEIGHT
-# drafts: measured by replaying SmolLM2-135M-Instruct's greedy answers to 60 ShareGPT training prompts (no
-# evaluation set): n=1: 0.21 / 0.58 / 0.68-0.77, n=2: 0.54 / 0.51 / 0.62-0.96, n=3: 0.87-0.96. What the cost-aware
-# cut gained on that replay: docs/BENCHMARKS.md, "Prompt lookup".
-PRIOR = {1: (0.2, 0.6, 0.7), 2: (0.5, 0.5, 0.6), 3: (0.85, 0.9, 0.9)}
+def new_index(options: LookupOptions, eos_ids: Iterable[int]) -> NgramIndex:
+    """An empty ``NgramIndex`` as ``decoder.lookup`` (``options``) sets it up, stopping at ``eos_ids``."""
+    return NgramIndex(options.max_ngram_size, match=options.match, stop=eos_ids, eos=options.eos)
+
+
+# Prior conditional acceptance of draft position i (1, 2, 3+) after an n-token match, weighing PRIOR_WEIGHT
+# drafts: the last column of the table `fastdecode-lookup-replay` prints (the default lookup replayed over
+# SmolLM2-135M-Instruct's greedy answers to 128 ShareGPT training prompts, drafts of 6 not cut; no evaluation
+# set): a 1-token match's first token lands about one time in five, a 4-token match's nine in ten
+# (docs/BENCHMARKS.md, "Prompt lookup: which occurrence, which n, where EOS cuts").
+PRIOR = {1: (0.21, 0.54, 0.74), 2: (0.44, 0.61, 0.79), 3: (0.65, 0.70, 0.77), 4: (0.90, 0.90, 0.92)}
 PRIOR_WEIGHT = 4.0
 
 
@@ -99,7 +140,7 @@ class PromptLookupProposer(Proposer):
         self.cfg, self.costs, self.vocab_size = cfg, costs, vocab_size
         self.options = cfg.lookup
         self.prompts = prompts
-        self.indexes = [NgramIndex(self.options.max_ngram_size) for _ in prompts]
+        self.indexes = [new_index(self.options, cfg.eos_ids) for _ in prompts]
         self.stats = AcceptanceStats()
         self.lengths: list[int] = [0] * len(prompts)  # each row's last lookup draft (0: none)
         self.matched: list[int] = [0] * len(prompts)  # and the length n of its match
@@ -113,11 +154,11 @@ class PromptLookupProposer(Proposer):
         return index
 
     def _row(self, r: Round, row: int) -> tuple[list[int], int]:
-        """The row's lookup: at most ``r.limit`` tokens, cut after an EOS; ``([], 0)`` when not decoding."""
+        """The row's lookup: at most ``r.limit`` tokens, cut at an EOS as ``decoder.lookup.eos`` says (the
+        index does); ``([], 0)`` when not decoding."""
         if r.rows.finished[row] or r.limit <= 0:
             return [], 0
         found, n = self._sync(row, r.rows.tokens[row]).lookup(self.options.min_ngram_size, r.limit)
-        found = found[: next((i + 1 for i, t in enumerate(found) if t in self.cfg.eos_ids), len(found))]
         return found, n if found else 0
 
     def cut(self, found: list[tuple[list[int], int]]) -> int:

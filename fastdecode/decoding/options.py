@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastdecode.config import ConfigError
+from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.jacobi import check_block_size, check_init
 from fastdecode.skipdecode import SkipOptions
 
 __all__ = ["JacobiOptions", "LookupOptions", "SkipOptions"]
+
+MATCHES = ("recent", "earliest")  # decoder.lookup.match (fastdecode/decoding/ngram.py's NgramIndex)
+EOS_CUTS = ("before", "after")  # decoder.lookup.eos
 
 
 @dataclass
@@ -39,14 +42,23 @@ class LookupOptions:
     chains of ``self_speculative``/``assisted`` with ``decoder.chain=true``; ``fastdecode/decoding/ngram.py``).
     ``max_ngram_size``: the longest suffix looked up (transformers' ``max_matching_ngram_size``);
     ``min_ngram_size``: the shortest. The most tokens proposed is ``decoder.draft_tokens``.
+    ``match``: which earlier occurrence of the row's last n tokens is continued, ``recent`` (the most recent)
+    or ``earliest`` (the first, as transformers and vLLM do); ``eos``: ``before`` (a draft never holds an EOS,
+    as in transformers) or ``after`` (it may end with one). Chosen by replaying SmolLM2's answers
+    (``fastdecode-lookup-replay``, docs/BENCHMARKS.md).
     ``fallback_trial``: in a chain, the row-rounds the exit, adapter or draft model drafts before it must have
     paid for itself on this call's text to go on drafting (``ngram.ChainProposer``); 0: it is never retired."""
 
-    max_ngram_size: int = 3
+    max_ngram_size: int = 4
     min_ngram_size: int = 1
     fallback_trial: int = 16
+    match: str = "recent"
+    eos: str = "before"
 
     def __post_init__(self) -> None:
+        for key, value, choices in (("match", self.match, MATCHES), ("eos", self.eos, EOS_CUTS)):
+            if value not in choices:
+                raise unknown_name_error(f"lookup {key}", value, list(choices), f"(decoder.lookup.{key})")
         if not 1 <= self.min_ngram_size <= self.max_ngram_size:
             raise ConfigError(
                 f"decoder.lookup: min_ngram_size={self.min_ngram_size}, max_ngram_size={self.max_ngram_size}: "
