@@ -12,7 +12,8 @@ measured on the model's own greedy answers to held-out prompts:
 
 A drafter is ``exit`` (a raw exit E of the model, its full head or ``draft_vocab``, a draft vocabulary file
 beside the record) or any proposer's own name with its fields. A damaged record is refused by name
-(``RecordError``), never silently ignored or half used.
+(``RecordError``), never silently ignored or half used. An exit adapter's record is the ``adapters.json`` of
+its training run, beside it (``recorded_adapter``, ``write_adapter_record``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.config import ConfigError
+from fastdecode.exit_adapter import INDEX_FILE, AdapterError, read_meta, resolve_adapter
 from fastdecode.io import atomic_write_json
 
 RECORD_FILE = "acceptance.json"
@@ -153,3 +155,50 @@ def exit_record(generations: dict, *, draft_vocab: str | None, measured_on: str)
                     DrafterRecord("exit", float(value), exit_layer, vocab_file, rounds[exit_layer])
                 )
     return AcceptanceRecord(drafters, measured_on, int(generations.get("tokens", 0)))
+
+
+# --------------------------------------------------------------------------------------------------------
+# An exit adapter's record: adapters.json beside it (a recipe=exit_adapter run's final/)
+@dataclass
+class RecordedAdapter:
+    """An exit adapter and what its training recorded (``adapters.json`` beside it): its directory, E, greedy
+    agreement on the model's own generations (None when not recorded) and tokens per round of K drafts
+    (``fastdecode.acceptance.replay_rounds``; empty when not recorded)."""
+
+    path: str
+    exit_layer: int
+    agreement: float | None
+    tokens_per_round: dict[int, float] = field(default_factory=dict)
+
+
+def write_adapter_record(directory: str | os.PathLike, report: dict) -> Path:
+    """Record what ``fastdecode.exit_report.adapter_generation_report`` measured (``report``: agreement raw
+    and through each adapter, tokens per round) in ``adapters.json`` of ``directory`` (a training run's
+    ``final/``, whose other fields are kept), atomically: what ``recorded_adapter`` and ``auto`` read."""
+    path = Path(directory) / INDEX_FILE
+    index = json.loads(path.read_text(encoding="utf-8"))
+    index["agreement"] = {head: report[head] for head in ("raw", "adapter")}
+    index["tokens_per_round"] = report["tokens_per_round"]
+    return atomic_write_json(path, index)
+
+
+def recorded_adapter(path: str | os.PathLike) -> RecordedAdapter:
+    """An exit adapter's record without loading it: ``adapter.json`` (E) and what its training run measured
+    (``adapters.json`` beside it, when there is one; a damaged one is refused by name)."""
+    directory = resolve_adapter(path)
+    meta = read_meta(directory)
+    index, exit_key = directory.parent / INDEX_FILE, str(meta["exit_layer"])
+    agreement, rounds = None, {}
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+            agreement = ((data.get("agreement") or {}).get("adapter") or {}).get(exit_key)
+            found = ((data.get("tokens_per_round") or {}).get("adapter") or {}).get(exit_key) or {}
+            agreement = None if agreement is None else float(agreement)
+            rounds = {int(k): float(v) for k, v in found.items()}
+        except (ValueError, TypeError, AttributeError) as err:
+            raise AdapterError(
+                f"{index} is damaged ({err}); delete it (the adapter then has no recorded acceptance and auto "
+                "does not plan it) or train the adapters again."
+            ) from err
+    return RecordedAdapter(str(directory), int(meta["exit_layer"]), agreement, rounds)

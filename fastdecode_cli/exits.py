@@ -96,8 +96,7 @@ def check_record(job: ExitsJob) -> None:
 
 def write_records(job: ExitsJob, reports: dict, prompts: int) -> None:
     """``record=true``: the checkpoint's ``acceptance.json`` and the adapters' ``adapters.json``."""
-    from fastdecode.acceptance import exit_record, write_record
-    from fastdecode.exit_adapter import write_adapter_record
+    from fastdecode.acceptance import exit_record, write_adapter_record, write_record
 
     label = "checkpoint" if job.checkpoint else "model"
     report = reports[label]

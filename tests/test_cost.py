@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fastdecode.cost as cost
-from fastdecode.acceptance import AcceptanceRecord, DrafterRecord
+from fastdecode.acceptance import AcceptanceRecord, DrafterRecord, RecordedAdapter, recorded_adapter
 from fastdecode.choose import LOOKUP_PRIOR, MIN_SPEEDUP, choose_exit, plan_decoding
 from fastdecode.config import ConfigError
 from fastdecode.cost import (
@@ -25,14 +25,7 @@ from fastdecode.cost import (
     lower_envelope,
     measure_costs,
 )
-from fastdecode.exit_adapter import (
-    INDEX_FILE,
-    RecordedAdapter,
-    build_adapter,
-    load_adapter,
-    recorded_adapter,
-    save_adapter,
-)
+from fastdecode.exit_adapter import INDEX_FILE, build_adapter, load_adapter, save_adapter
 from fastdecode.model import EarlyExitModel
 from tests.helpers import lively_model
 

@@ -120,11 +120,10 @@ def test_eval_exits_records_what_auto_reads(tmp_path):
 
     import torch
 
-    from fastdecode.acceptance import read_record
+    from fastdecode.acceptance import read_record, recorded_adapter
     from fastdecode.checkpoint_info import write_sidecar
     from fastdecode.config import ConfigError, ModelConfig, load_group
     from fastdecode.draft_vocab_file import save_draft_vocab
-    from fastdecode.exit_adapter import recorded_adapter
     from tests.helpers import tiny_llama_adapter, tiny_model
 
     model, tokenizer = tiny_model("tiny-llama")

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from fastdecode.acceptance import read_record
+from fastdecode.acceptance import read_record, recorded_adapter
 from fastdecode.api import FastDecoder
 from fastdecode.bench.config import (
     AUTO,
@@ -34,7 +34,7 @@ from fastdecode.bench.config import (
 from fastdecode.choose import Plan, choose_exit
 from fastdecode.cost import CostModel, decoding_costs, exit_draft_cost
 from fastdecode.decoding.draft_vocab import draft_vocab_ids
-from fastdecode.exit_adapter import load_adapter, recorded_adapter
+from fastdecode.exit_adapter import load_adapter
 from fastdecode.model import EarlyExitModel
 
 AUTO_PREFIX = "auto:"  # the names of the auto method's candidates: auto:<candidate.name>

@@ -348,6 +348,6 @@ def check_auto_records(job: SpeedJob, methods: list[Method], adapter: str | None
         return
     read_record(job.checkpoint)  # RecordError (a ConfigError) names the file and the fix
     if adapter is not None and any(m.is_auto for m in methods):
-        from fastdecode.exit_adapter import recorded_adapter
+        from fastdecode.acceptance import recorded_adapter
 
         recorded_adapter(adapter)  # AdapterError (a ConfigError) names what is missing

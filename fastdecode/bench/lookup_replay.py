@@ -125,6 +125,8 @@ class Tally:
     tokens: int = 0  # emitted by the rounds (each call's first token comes from the prefill)
     cost: float = 0.0  # the rounds' cost in plain decoding steps
     drafting: int = 0  # rounds with a draft
+    drafting_tokens: int = 0  # tokens the rounds with a draft emitted
+    drafted: int = 0  # tokens drafted
     position_accepted: list[int] = field(default_factory=list)
     position_drafted: list[int] = field(default_factory=list)
     prior: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (n, i) -> [accepted, tried]
@@ -135,6 +137,8 @@ class Tally:
         self.tokens += out.num_tokens - len(out.tokens)
         self.cost += found.cost
         self.drafting += sum(1 for d in out.drafted if d)
+        self.drafting_tokens += sum(a + 1 for a, d in zip(out.accepted, out.drafted, strict=True) if d)
+        self.drafted += sum(out.drafted)
         for name in ("position_accepted", "position_drafted"):
             mine, theirs = getattr(self, name), getattr(out, name)
             mine += [0] * (len(theirs) - len(mine))
@@ -157,6 +161,15 @@ class Tally:
     def draft_rate(self) -> float:
         """Rounds with a draft (with ``policy=constant``: rounds whose lookup matched) over all rounds."""
         return self.drafting / max(1, self.rounds)
+
+    def lookup_prior(self) -> str:
+        """What ``fastdecode.choose.LOOKUP_PRIOR`` holds: the share of rounds with a draft, the tokens such a
+        round emits and the tokens it drafts."""
+        rounds = max(1, self.drafting)
+        return (
+            f"LookupPrior(drafted={self.draft_rate:.3f}, tokens={self.drafting_tokens / rounds:.3f}, "
+            f"width={self.drafted / rounds:.3f})"
+        )
 
     def acceptance(self) -> list[float]:
         """Per draft position i: how often it was accepted when drafted (given the earlier ones were)."""
@@ -238,6 +251,10 @@ def report(found: dict[tuple[Variant, str], Tally], policies: Sequence[str], dra
         second, other = ranked[1]
         margin = 100 * (tally.speedup / other.speedup - 1)
         lines[-1] += f"; next {second.label}, {other.speedup:.3f}x ({margin:+.1f}%)."
+    lines += [
+        "",
+        f"fastdecode.choose.LOOKUP_PRIOR ({top.label}, policy={policies[0]}): {tally.lookup_prior()}",
+    ]
     if (top, "constant") in found:
         lines += ["", f"Acceptance prior ({top.label}, policy=constant):", ""]
         lines += prior_table(found[top, "constant"], draft_tokens)

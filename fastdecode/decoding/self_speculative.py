@@ -29,13 +29,14 @@ priced on this machine.
 
 from __future__ import annotations
 
+from fastdecode.acceptance import recorded_adapter
 from fastdecode.config import ConfigError
 from fastdecode.cost import exit_draft_cost
 from fastdecode.decoding.common import DecodeConfig
 from fastdecode.decoding.draft_vocab import draft_vocab_ids
 from fastdecode.decoding.drafters import Offer, PlanInputs, ProposerKind, Setup
 from fastdecode.decoding.proposers import ExitProposer
-from fastdecode.exit_adapter import adapter_for_decoding, load_adapter, recorded_adapter
+from fastdecode.exit_adapter import adapter_for_decoding, load_adapter
 from fastdecode.model import EarlyExitModel
 
 
