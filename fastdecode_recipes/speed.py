@@ -16,17 +16,21 @@ from fastdecode.data.chat import user_prompt_ids
 from fastdecode.decoding import DecodeConfig, get_decoder
 from fastdecode.machine import machine_label
 from fastdecode.model import EarlyExitModel
+from fastdecode.progress import phase
 from fastdecode.tokens import eos_ids
 
 log = logging.getLogger(__name__)
 
 
-def _time(m: EarlyExitModel, name: str, cfg: DecodeConfig, ids: list[list[int]]) -> dict:
+def _time(m: EarlyExitModel, name: str, cfg: DecodeConfig, ids: list[list[int]], progress) -> dict:
     decoder = get_decoder(name)
     decoder(m, ids[:1], dataclasses.replace(cfg, max_new_tokens=2))  # warm-up (and the cost model, once)
-    start = time.perf_counter()
-    outs = [decoder(m, [p], cfg) for p in ids]
-    seconds = time.perf_counter() - start
+    outs, seconds = [], 0.0
+    for prompt in ids:
+        start = time.perf_counter()
+        outs.append(decoder(m, [prompt], cfg))
+        seconds += time.perf_counter() - start
+        progress.update()
     tokens = sum(o.num_tokens for o in outs)
     drafted = sum(sum(o.drafted) for o in outs)
     accepted = sum(sum(o.accepted) for o in outs)
@@ -88,13 +92,17 @@ def speed_line(m: EarlyExitModel, tokenizer: Any, prompts: list[str], report: An
         return {}
     eos = sorted(eos_ids(m.hf, tokenizer)) or None
     base = DecodeConfig(max_new_tokens=report.speed_new_tokens, eos_token_id=eos)
-    result: dict[str, Any] = {"autoregressive": _time(m, "autoregressive", base, ids), "decoders": {}}
-    ar = result["autoregressive"]["tokens_per_s"]
-    for candidate in plan.candidates:
-        cfg = dataclasses.replace(base, **candidate.options)
-        timed = _time(m, candidate.method, cfg, ids)
-        timed |= {"speedup": timed["tokens_per_s"] / ar, "expected_speedup": candidate.expected_speedup}
-        result["decoders"][candidate.name] = timed
+    calls = len(ids) * (1 + len(plan.candidates))
+    what = f"autoregressive and {len(plan.candidates)} planned decoder(s) on {len(ids)} held-out prompts"
+    with phase("speed table", what, total=calls, unit="call") as progress:
+        result: dict[str, Any] = {"autoregressive": _time(m, "autoregressive", base, ids, progress)}
+        result["decoders"] = {}
+        ar = result["autoregressive"]["tokens_per_s"]
+        for candidate in plan.candidates:
+            cfg = dataclasses.replace(base, **candidate.options)
+            timed = _time(m, candidate.method, cfg, ids, progress)
+            timed |= {"speedup": timed["tokens_per_s"] / ar, "expected_speedup": candidate.expected_speedup}
+            result["decoders"][candidate.name] = timed
     best = max(result["decoders"], key=lambda name: result["decoders"][name]["speedup"])
     machine = machine_label(m.device)
     result |= {"best": best, "speedup": result["decoders"][best]["speedup"], "machine": machine}

@@ -88,8 +88,8 @@ def test_prompt_lookup_cuts_a_batch_at_one_width():
     costs = CostModel(
         30, 1000, (1, 2, 3, 5), (0.03, 0.04, 0.05, 0.07), (0.1, 0.1, 0.1, 0.1), "measured", batch=2
     )
-    cfg = DecodeConfig(max_new_tokens=50, lookup=LookupOptions(max_ngram_size=3), policy="adaptive")
-    strong = [7, 8, 9, 1, 2, 3, 4, 7, 8, 9]  # (7, 8, 9) seen before: 4 tokens follow
+    cfg = DecodeConfig(max_new_tokens=50, lookup=LookupOptions(max_ngram_size=4), policy="adaptive")
+    strong = [7, 8, 9, 10, 1, 2, 3, 4, 5, 7, 8, 9, 10]  # (7, 8, 9, 10) seen before: 1, 2, 3, 4 follow
     weak = [5, 1, 2, 6, 6, 6, 3, 1]  # only (1,) seen before: a 1-token match, 2, 6, 6, 6 follow
     proposer = PromptLookupProposer([strong, weak], cfg, costs, 1000)
     proposer.policy = Adaptive(4)
@@ -98,21 +98,18 @@ def test_prompt_lookup_cuts_a_batch_at_one_width():
 
     rows = Rows(2, cfg)
     r = Round(
-        torch.tensor([9, 1]), torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.bool), 4, rows, 0
+        torch.tensor([10, 1]), torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.bool), 4, rows, 0
     )
     drafts = proposer.lookup(r)
     assert drafts[0] == [1, 2, 3] and drafts[1] == [2, 6, 6]  # one width (3 pays best) for both rows
-    alone = PromptLookupProposer([weak], cfg, costs, 1000)
-    alone.policy = Adaptive(4)
-    solo = Round(
-        torch.tensor([1]),
-        torch.zeros(1, dtype=torch.long),
-        torch.ones(1, dtype=torch.bool),
-        4,
-        Rows(1, cfg),
-        0,
-    )
-    assert alone.lookup(solo)[0] == []  # alone, the weak match does not pay for a wider verification
+    for prompt, wanted in ((strong, [1, 2, 3, 4]), (weak, [])):  # alone, each row is cut where it pays
+        alone = PromptLookupProposer([prompt], cfg, costs, 1000)
+        alone.policy = Adaptive(4)
+        last = torch.tensor([prompt[-1]])
+        solo = Round(
+            last, torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.bool), 4, Rows(1, cfg), 0
+        )
+        assert alone.lookup(solo)[0] == wanted
 
 
 def test_a_retired_draft_model_stops_running(monkeypatch):

@@ -19,10 +19,26 @@ def _history(run: Path, step: int) -> list[dict]:
     return [h for h in state["log_history"] if "loss" in h]
 
 
-def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path):
+def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path, capsys):
     summary = fastdecode_recipes.run(
         layerskip_cfg(tmp_path, "recipe.exit_layer=2", "recipe.draft_vocab_size=8")
     )
+    printed = capsys.readouterr().out
+    # The closing lines: a small table and one sentence naming what auto runs and the machine, no raw dict.
+    from fastdecode.machine import machine_label
+
+    header = "| decoder | drafter | exit | recorded acceptance | expected | measured | tok/s |"
+    closing = printed[printed.index(header) :].strip().splitlines()  # the last thing the run prints
+    assert closing[-1].startswith("auto runs prompt_lookup") and f"{machine_label()})" in closing[-1]
+    assert all(line.startswith("| ") for line in closing[:-1]) and "{" not in "".join(closing)
+    # The checkpoint carries its own record: every exit but the last, full head and draft vocabulary.
+    from fastdecode.acceptance import read_record
+
+    record = read_record(summary["checkpoint"])
+    assert {(d.exit_layer, d.draft_vocab) for d in record.find("exit")} == {
+        (e, v) for e in (1, 2, 3) for v in (None, "draft_vocab.json")
+    }
+    assert all(d.tokens_per_round and 0 <= d.acceptance <= 1 for d in record.drafters)
     run = tmp_path / "run"
     vocab = json.loads(Path(summary["draft_vocab"]).read_text())  # the most frequent trained-on tokens
     assert Path(summary["draft_vocab"]).parent == Path(summary["checkpoint"]) and vocab["size"] == 8

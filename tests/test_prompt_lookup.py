@@ -98,7 +98,7 @@ def test_the_replay_drafts_accepts_and_rounds_as_the_decoder(policy, variant, mo
     """The decoder and the replay share one cost model object (so the adaptive cut is the same); prompts that
     repeat themselves, answers with an EOS in them; alone and as a batch (answers
     twice the budget: a row may draft up to the longest row's remaining tokens)."""
-    monkeypatch.setattr("fastdecode.decoding.ngram.cost_model", lambda m, source: CPU_LIKE)
+    monkeypatch.setattr("fastdecode.decoding.drafters.cost_model", lambda m, source, batch=1: CPU_LIKE)
     total = 0
     for m in (EarlyExitModel(tiny_model("tiny-llama")[0]), lively_model("tiny-llama", 0.1)):
         prompts = [p + p[:5] + p for p in random_prompts(5, seed=70)]
