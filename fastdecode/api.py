@@ -35,6 +35,7 @@ from fastdecode.choose import PLAN_OWNED, Candidate, Plan, plan_decoding
 from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
 from fastdecode.cost import cost_batch, cost_model
 from fastdecode.decoding import DecodeConfig, DecodeOutput, get_decoder
+from fastdecode.decoding.chain import Books, carrying
 from fastdecode.decoding.common import configure_engine, streaming
 from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE
 from fastdecode.exit_adapter import CHECKPOINT_DIR, META_FILE
@@ -179,6 +180,7 @@ class FastDecoder:
         # the SkipDecode policy the checkpoint was trained with (``skip_file``), kept to by ``skipdecode``
         self.skip_file, self.trained_skip = skip_file, trained_skip
         self._plans: dict[tuple, Plan] = {}
+        self._books: dict[str, Books] = {}  # per planned candidate: its chain judge's books (auto only)
 
     def plan(self, batch: int = 1, **engine: Any) -> Plan:
         """The lossless decoders the cost model expects to pay on this model with what its checkpoint records
@@ -209,7 +211,9 @@ class FastDecoder:
         (``[[...], ...]``, ``[B, T]`` tensor) or a tokenizer batch (``input_ids`` + ``attention_mask``, left or
         right padded). ``method``: a decoder name (``fastdecode.decoding.decoder_names()``), or ``auto``: the
         plan's first candidate for this batch size, run with exactly the options it was priced with
-        (``plan``), or ``self_speculative`` when ``options`` name an exit or an adapter. ``options``:
+        (``plan``; a chain's judge keeps its books across calls, ``decoding/chain.py``: a fallback that does
+        not pay on this workload stops costing trial rounds), or ``self_speculative`` when ``options`` name an
+        exit or an adapter. ``options``:
         ``DecodeConfig`` fields or their HF aliases (given ones override the plan's). ``chat``: render texts
         through the chat template (None: when the tokenizer has one). ``streamer``: an HF-style streamer
         (``put(ids)``, ``end()``), batch 1 only."""
@@ -225,13 +229,16 @@ class FastDecoder:
         if streamer is not None and len(prompts) > 1:
             raise ConfigError(f"streamer= streams one row; got a batch of {len(prompts)}: pass one prompt.")
         decoder = get_decoder(method)
-        if streamer is None:
-            out = decoder(self.m, prompts, cfg)
-        else:
-            streamer.put(torch.tensor([prompts[0]]))
-            with streaming(lambda row, new: streamer.put(torch.tensor([new]))):
+        # a planned chain's judge keeps its books across calls: what pays on this workload is learnt
+        books = self._books.setdefault(candidate.name, Books()) if candidate is not None else Books()
+        with carrying(books):
+            if streamer is None:
                 out = decoder(self.m, prompts, cfg)
-            streamer.end()
+            else:
+                streamer.put(torch.tensor([prompts[0]]))
+                with streaming(lambda row, new: streamer.put(torch.tensor([new]))):
+                    out = decoder(self.m, prompts, cfg)
+                streamer.end()
         texts = [self.tokenizer.decode(row, skip_special_tokens=True) for row in out.tokens]
         return GenerationResult(texts, out.tokens, out, cfg, method, single, candidate)
 

@@ -10,7 +10,8 @@ import torch
 from fastdecode.acceptance import replay_rounds
 from fastdecode.cost import CostModel
 from fastdecode.decoding import DECODERS, PROPOSERS, DecodeConfig, LookupOptions
-from fastdecode.decoding.ngram import ChainProposer, PromptLookupProposer
+from fastdecode.decoding.chain import Books, ChainProposer, carrying
+from fastdecode.decoding.ngram import PromptLookupProposer
 from fastdecode.decoding.policies import Adaptive
 from fastdecode.exit_report import generation_report
 from fastdecode.model import EarlyExitModel
@@ -145,3 +146,31 @@ def test_every_planned_kind_is_a_chainable_or_standalone_decoder():
         DECODERS["prompt_lookup"](
             lively_model("tiny-llama"), [[5, 6]], DecodeConfig(max_new_tokens=3, chain=True)
         )
+
+
+def test_a_chains_judge_carries_its_books_across_calls():
+    """``generate(method="auto")`` keeps a planned chain's books (``carrying``): a fallback retired in one call
+    starts the next with that evidence (decayed), so it costs a few trial rounds, not the whole trial again;
+    decoding stays lossless."""
+    m = lively_model("tiny-llama")  # upper layers at full strength: exit 1 rarely agrees with the output
+    prompts = random_prompts(2, seed=53)
+    cfg = DecodeConfig(
+        max_new_tokens=40,
+        exit_layer=1,
+        chain=True,
+        draft_tokens=3,
+        costs="estimated",
+        lookup=LookupOptions(fallback_trial=8),
+    )
+    ref = autoregressive(m, prompts, DecodeConfig(max_new_tokens=40)).tokens
+    books = Books()
+    rounds = []
+    for _ in range(3):
+        with carrying(books):
+            out = DECODERS["self_speculative"](m, prompts, cfg)
+        assert out.tokens == ref
+        rounds.append(out.by_proposer.get("exit", [0, 0, 0])[2])
+        assert books.against(8)  # retired, on the evidence
+    assert rounds[0] >= 8 and all(r < rounds[0] / 2 for r in rounds[1:])
+    alone = DECODERS["self_speculative"](m, prompts, cfg)  # no books carried: the whole trial again
+    assert alone.by_proposer["exit"][2] == rounds[0]

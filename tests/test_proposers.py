@@ -14,8 +14,9 @@ import torch
 from fastdecode.config import ConfigError
 from fastdecode.cost import CostModel, block_parameters, estimate_costs, exit_draft_cost
 from fastdecode.decoding import DECODERS, POLICIES, PROPOSERS, DecodeConfig, LookupOptions
+from fastdecode.decoding.chain import ChainProposer
 from fastdecode.decoding.lookahead import LookaheadProposer
-from fastdecode.decoding.ngram import ChainProposer, NgramIndex, PromptLookupProposer
+from fastdecode.decoding.ngram import NgramIndex, PromptLookupProposer
 from fastdecode.decoding.proposers import DraftModelProposer, ExitProposer
 from fastdecode.decoding.speculative import Draft, Settled, Verdict
 from fastdecode.draft_vocab_file import save_draft_vocab
@@ -286,12 +287,12 @@ def test_the_chain_judges_the_fallback_by_the_cost_model():
     draft = Draft(torch.zeros(1, 2, dtype=torch.long), lengths=[2], sources=["exit"])
     for _ in range(16):  # 2 accepted + 1 = 3 tokens for `cost` steps: it pays
         chain.judge(draft, Settled(accepted=[2], kept=[2], lengths=[2]))
-    assert not chain.retired and chain.judged == 16
+    assert not chain.retired and chain.books.judged == 16
     for _ in range(64):  # nothing accepted: 1 token per `cost` steps
         chain.judge(draft, Settled(accepted=[0], kept=[0], lengths=[2]))
         if chain.retired:
             break
-    assert chain.retired and chain.gained < chain.spent <= chain.gained + cost
+    assert chain.retired and chain.books.gained < chain.books.spent <= chain.books.gained + cost
 
 
 # --------------------------------------------------------------------------------------------------------

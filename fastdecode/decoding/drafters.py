@@ -25,6 +25,7 @@ import torch
 from fastdecode.acceptance import AcceptanceRecord
 from fastdecode.config import ConfigError
 from fastdecode.cost import CostModel, cost_model
+from fastdecode.decoding.chain import ChainProposer, carried_books
 from fastdecode.decoding.common import (
     DecodeConfig,
     DecodeOutput,
@@ -33,7 +34,7 @@ from fastdecode.decoding.common import (
     new_generator,
     refuse_draft_model,
 )
-from fastdecode.decoding.ngram import ChainProposer, PromptLookupProposer
+from fastdecode.decoding.ngram import PromptLookupProposer
 from fastdecode.decoding.proposers import Proposer
 from fastdecode.decoding.speculative import speculate
 from fastdecode.model import EarlyExitModel
@@ -128,7 +129,8 @@ class ProposerKind:
         proposer = self.build(Setup(m, prompts, cfg, generator, costs, draft))
         if cfg.chain:
             lookup = PromptLookupProposer(prompts, cfg, costs, m.vocab_size)
-            proposer = ChainProposer(lookup, proposer, judge_after=cfg.lookup.fallback_trial)
+            judge_after = cfg.lookup.fallback_trial
+            proposer = ChainProposer(lookup, proposer, judge_after=judge_after, books=carried_books())
         return proposer
 
     def generate(

@@ -6,10 +6,7 @@
   and the text generated so far, cut before an EOS token (``NgramIndex``: how this differs from transformers
   and vLLM).
   A row with no match drafts nothing that round and pays nothing: its round is a plain decoding step.
-- ``ChainProposer``: a row drafts from the lookup when it matches and from a model proposer (the exit, the exit
-  adapter, a draft model) otherwise. When every decoding row matches, the lookup's draft passes the model
-  proposer's layers in one forward (``absorb``); otherwise the matching rows force their tokens into the model
-  proposer's token-by-token draft.
+The chain that asks the lookup first and a model proposer otherwise is ``chain.py``.
 
 How long a lookup draft is: the policy's limit (``decoder.draft_tokens``), and with a cost-aware policy
 (``adaptive``) the width the cost model expects to pay best for the batch (``PromptLookupProposer.cut``: a
@@ -212,84 +209,6 @@ class PromptLookupProposer(Proposer):
 
     def update(self, r: Round, draft: Draft, verdict: Verdict, done) -> None:
         self.learn(done)
-
-
-class ChainProposer(Proposer):
-    """Prompt lookup first, per row; ``fallback`` (any chainable proposer: the exit, the exit adapter, a draft
-    model, ``drafters.ProposerKind.chainable``) where the lookup finds nothing.
-
-    The fallback drafts only while it pays on this call's text: once it has drafted ``judge_after`` row-rounds
-    and the tokens those rounds yielded (accepted + the verifier's own) fall short of the plain decoding steps
-    they cost (``round_cost``, ``fastdecode/cost.py``; a plain step is what prompt lookup alone takes there),
-    it is retired for the rest of the call. Rows the lookup does not match then take a plain step: through the
-    drafter's layers when they are the target's own (self-speculation: that is part of the verification),
-    without the fallback at all when it keeps a cache of its own (a separate draft model stops running). A
-    recorded acceptance measured on other text can overstate it (a drafter trained on chat, asked to rewrite
-    code): this is where the plan meets the text. ``judge_after=0``: never retired.
-
-    The draft-length policy learns from the fallback's own rows only (``feedback``): a lookup draft's
-    acceptance says nothing about the fallback's confidence.
-    """
-
-    def __init__(self, lookup: PromptLookupProposer, fallback: Proposer, *, judge_after: int = 16) -> None:
-        self.lookup, self.fallback = lookup, fallback
-        self.name = f"prompt_lookup+{fallback.name}"
-        self.costs, self.vocab = fallback.costs, fallback.vocab
-        self.judge_after = judge_after
-        self.retired = False
-        self.judged, self.gained, self.spent = 0, 0.0, 0.0  # the fallback's row-rounds, tokens, steps
-
-    def start(self, m, prompts, capacity):
-        return self.fallback.start(m, prompts, capacity)
-
-    def token_cost(self) -> float:
-        return self.fallback.token_cost()
-
-    def round_cost(self, drafted: int) -> float:
-        return self.fallback.round_cost(drafted)
-
-    def caches(self):
-        return [] if self.retired else self.fallback.caches()
-
-    def propose(self, r: Round) -> Draft:
-        self.lookup.policy = self.fallback.policy = self.policy
-        drafts = self.lookup.lookup(r)
-        lengths = [len(d) for d in drafts]
-        live = r.active.tolist()
-        matched = [bool(n) for n, on in zip(lengths, live, strict=True) if on]
-        if self.retired and self.fallback.caches():  # a retired separate drafter: prompt lookup alone
-            return self.lookup.propose_found(drafts, r.last.device)
-        if self.retired or (matched and all(matched)):  # one forward through the drafter's layers
-            return self.fallback.absorb(r, self.lookup.pad(drafts, r.last.device), lengths, self.lookup.name)
-        if not any(matched):
-            draft = self.fallback.draft(r)
-            draft.sources = [self.fallback.name] * len(lengths)
-            return draft
-        return self.fallback.draft(r, forced=(self.lookup.pad(drafts, r.last.device), lengths))
-
-    def feedback(self, done) -> tuple[list[int | None], list[int | None]]:
-        mine = [source == self.fallback.name for source in done.sources]
-        return (
-            [a if own else None for a, own in zip(done.accepted, mine, strict=True)],
-            [d if own else None for d, own in zip(done.lengths, mine, strict=True)],
-        )
-
-    def update(self, r: Round, draft: Draft, verdict: Verdict, done) -> None:
-        self.lookup.learn(done)
-        self.fallback.update(r, draft, verdict, done)
-        if self.judge_after and not self.retired:
-            self.judge(draft, done)
-
-    def judge(self, draft: Draft, done) -> None:
-        """Book the fallback's rows of the round; retire it once it yields fewer tokens than it costs."""
-        for source, accepted, drafted in zip(draft.sources, done.accepted, draft.row_lengths(), strict=True):
-            if source == self.fallback.name and accepted is not None:
-                self.judged += 1
-                self.gained += accepted + 1
-                self.spent += self.fallback.round_cost(drafted)
-        if self.judged >= self.judge_after and self.gained < self.spent:
-            self.retired = True
-            self.fallback.retire()
 
 
 def refuse_exit_layer(name: str, cfg: DecodeConfig, hint: str = "") -> None:
