@@ -72,6 +72,7 @@ def test_console_scripts_compose_and_train_from_another_folder(venv, tmp_path):
         "fastdecode-regenerate",
         "fastdecode-skipdecode-quality",
         "fastdecode-collect-throughput",
+        "fastdecode-lookup-replay",
     )
     for script in hydra_scripts:
         assert (
