@@ -45,6 +45,7 @@ from fastdecode_recipes.common import (
 from fastdecode_recipes.disk import check_training_disk
 from fastdecode_recipes.resume import resolve_resume
 from fastdecode_recipes.resume import train as train_or_finish
+from fastdecode_recipes.speed import closing_text
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +223,9 @@ def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
         log.info(
             "%s: checkpoint %s; %s", job.recipe["name"], out / "final", metrics_text(metrics, args.device)
         )
+        closing = closing_text(run.summary)
+        if closing:  # the run's last lines: what auto decodes the checkpoint with, and how fast
+            print(closing, flush=True)
     return run
 
 

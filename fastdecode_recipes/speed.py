@@ -7,7 +7,6 @@ small table and one sentence that names what ``auto`` runs and the machine it wa
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Any
 
@@ -18,8 +17,6 @@ from fastdecode.machine import machine_label
 from fastdecode.model import EarlyExitModel
 from fastdecode.progress import phase
 from fastdecode.tokens import eos_ids
-
-log = logging.getLogger(__name__)
 
 
 def _time(m: EarlyExitModel, name: str, cfg: DecodeConfig, ids: list[list[int]], progress) -> dict:
@@ -85,8 +82,9 @@ def speed_sentence(result: dict, plan: Plan, prompts: int, machine: str) -> str:
 
 def speed_line(m: EarlyExitModel, tokenizer: Any, prompts: list[str], report: Any, plan: Plan) -> dict:
     """Time every candidate of ``plan`` and autoregressive decoding on the first ``report.speed_prompts``
-    prompts (``report``: a recipe's report config with ``speed_prompts``, ``speed_new_tokens``); print the
-    table and its sentence, return the numbers (empty without a prompt)."""
+    prompts (``report``: a recipe's report config with ``speed_prompts``, ``speed_new_tokens``); return the
+    numbers with ``text``, the table and its sentence, which ``finetune`` prints as the run's last lines
+    (``closing_text``); empty without a prompt."""
     ids = [user_prompt_ids(tokenizer, p) for p in prompts[: report.speed_prompts]]
     if not ids:
         return {}
@@ -107,6 +105,9 @@ def speed_line(m: EarlyExitModel, tokenizer: Any, prompts: list[str], report: An
     machine = machine_label(m.device)
     result |= {"best": best, "speedup": result["decoders"][best]["speedup"], "machine": machine}
     text = "\n".join([*speed_table(result, plan), speed_sentence(result, plan, len(ids), machine)])
-    log.info("speed on held-out prompts:\n%s", text)
-    print(text)
-    return result | {"plan": plan.to_json()}
+    return result | {"plan": plan.to_json(), "text": text}
+
+
+def closing_text(summary: dict) -> str | None:
+    """The speed table a recipe's summary carries (``speed_line``'s ``text``), or None."""
+    return (summary.get("speed") or {}).get("text")

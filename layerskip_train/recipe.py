@@ -265,4 +265,8 @@ def _finish(run: FinetuneRun, held_out, rcfg: LayerSkipConfig, vocab: torch.Tens
     atomic_write_json(out / "exit_report.json", report)
     if run.before and after:
         plot_reports({"before": run.before, "after": after}, str(out / "exit_report.png"))
-    return {"recommended_exit": choice, "exit_report": str(out / "exit_report.json")}
+    return {
+        "recommended_exit": choice,
+        "exit_report": str(out / "exit_report.json"),
+        "speed": report.get("speed"),
+    }
