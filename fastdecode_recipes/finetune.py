@@ -219,14 +219,23 @@ def finetune(job: TrainJob, cfg: Any, recipe: Recipe) -> FinetuneRun:
             write_sidecar(stage, **describe(job) | recipe.describe(run))
     run.stage = out / "final"
     if run.final is not None:
-        atomic_write_json(out / "summary.json", run.summary)
-        log.info(
-            "%s: checkpoint %s; %s", job.recipe["name"], out / "final", metrics_text(metrics, args.device)
-        )
-        closing = closing_text(run.summary)
-        if closing:  # the run's last lines: what auto decodes the checkpoint with, and how fast
-            print(closing, flush=True)
+        _conclude(run, metrics)
     return run
+
+
+def _conclude(run: FinetuneRun, metrics: dict[str, Any]) -> None:
+    """Rank 0, once final/ is whole: the summary on disk, the one-line log of the run, then the closing text
+    (what auto decodes the checkpoint with, and how fast) as the run's last lines."""
+    atomic_write_json(run.out / "summary.json", run.summary)
+    log.info(
+        "%s: checkpoint %s; %s",
+        run.job.recipe["name"],
+        run.out / "final",
+        metrics_text(metrics, run.args.device),
+    )
+    closing = closing_text(run.summary)
+    if closing:
+        print(closing, flush=True)
 
 
 def metrics_text(metrics: dict[str, Any], device: Any = None) -> str:
