@@ -16,6 +16,23 @@ from fastdecode.model import EarlyExitModel
 from tests.helpers import write_chat_jsonl
 
 
+def _layerskip_checkpoint(tmp_path: Path):
+    """A tiny LayerSkip run's ``final/`` (weights, tokenizer, sidecar naming its base model): (model, path)."""
+    import dataclasses
+
+    from fastdecode.checkpoint_info import write_sidecar
+    from fastdecode.config import ModelConfig, load_group
+    from tests.helpers import tiny_model
+
+    model, tokenizer = tiny_model("tiny-llama")
+    checkpoint = tmp_path / "final"
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    base = dataclasses.asdict(load_group("model", "tiny-llama", ModelConfig))
+    write_sidecar(checkpoint, recipe="layerskip", run_name="layerskip-tiny-llama", base_model=base)
+    return model, checkpoint
+
+
 def test_final_exit_agrees_with_itself_and_scores_only_masked_positions(tiny_llama):
     m = EarlyExitModel(tiny_llama[0])
     ids = torch.randint(5, 261, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -67,22 +84,14 @@ def test_eval_exits_measures_the_cost_model_once_and_generates_once_per_model(tm
     """A checkpoint, its base and an exit adapter: one cost-model measurement for the run (the two models
     have one shape), one set of greedy generations per model (the adapter report scores the exit report's),
     and every expected speedup printed as a sentence naming the machine it was measured on."""
-    import dataclasses
 
     import fastdecode.cost
     import fastdecode.exit_report
-    from fastdecode.checkpoint_info import write_sidecar
-    from fastdecode.config import ModelConfig, load_group
     from fastdecode.machine import machine_label
     from fastdecode_cli.exits import summary_lines
-    from tests.helpers import tiny_llama_adapter, tiny_model
+    from tests.helpers import tiny_llama_adapter
 
-    model, tokenizer = tiny_model("tiny-llama")
-    checkpoint = tmp_path / "final"
-    model.save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
-    base = dataclasses.asdict(load_group("model", "tiny-llama", ModelConfig))
-    write_sidecar(checkpoint, recipe="layerskip", run_name="layerskip-tiny-llama", base_model=base)
+    model, checkpoint = _layerskip_checkpoint(tmp_path)
     calls = {"measure_costs": 0, "greedy_generations": 0}
 
     def counted(name, original):
@@ -116,22 +125,15 @@ def test_eval_exits_records_what_auto_reads(tmp_path):
     """``record=true``: the checkpoint's ``acceptance.json`` (every exit with the full head and with its
     ``draft_vocab.json``) and the adapters' ``adapters.json`` (agreement, tokens per round), which the plan
     then prices; without a checkpoint or adapter it is refused before any work."""
-    import dataclasses
 
     import torch
 
     from fastdecode.acceptance import read_record, recorded_adapter
-    from fastdecode.checkpoint_info import write_sidecar
-    from fastdecode.config import ConfigError, ModelConfig, load_group
+    from fastdecode.config import ConfigError
     from fastdecode.draft_vocab_file import save_draft_vocab
-    from tests.helpers import tiny_llama_adapter, tiny_model
+    from tests.helpers import tiny_llama_adapter
 
-    model, tokenizer = tiny_model("tiny-llama")
-    checkpoint = tmp_path / "final"
-    model.save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
-    base = dataclasses.asdict(load_group("model", "tiny-llama", ModelConfig))
-    write_sidecar(checkpoint, recipe="layerskip", run_name="layerskip-tiny-llama", base_model=base)
+    model, checkpoint = _layerskip_checkpoint(tmp_path)
     save_draft_vocab(checkpoint / "draft_vocab.json", torch.arange(60), vocab_size=model.config.vocab_size)
     adapter = Path(tiny_llama_adapter(tmp_path / "adapters", 2))  # a training run's final/: adapters.json
     (adapter.parent / "adapters.json").write_text(json.dumps({"adapters": {"2": adapter.name}, "chosen": 2}))
