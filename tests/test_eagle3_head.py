@@ -350,3 +350,23 @@ def test_head_matches_a_plain_reference(norm_before_residual):
     torch.testing.assert_close(
         logits, rms(h, head.norm.weight, eps) @ head.lm_head.weight.T, atol=1e-4, rtol=1e-4
     )
+
+
+def test_bf16_head_round_trips_in_its_dtype(tmp_path):
+    head = random_head().to(torch.bfloat16)
+    out = save_eagle3(head, head.config, tmp_path / "head", verifier_name="org/target")
+    loaded, _ = load_eagle3(out / "sglang")
+    assert loaded.fc.weight.dtype == torch.bfloat16 and loaded.d2t.dtype == torch.int64
+    embeds, features, positions = (x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs())
+    assert torch.equal(loaded(embeds, features, positions)[0], head(embeds, features, positions)[0])
+
+
+def test_contradicting_vocabulary_maps_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = saved(tmp_path)
+    state = load_file(str(out / "model.safetensors"))
+    state["t2d"][4] = True  # a target id the draft vocabulary does not have
+    save_file(state, str(out / "model.safetensors"))
+    with pytest.raises(Eagle3FileError, match="d2t and t2d describe different draft vocabularies"):
+        load_eagle3(out)
