@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 
-from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, group_choices, load_group
+from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, group_choices, load_group, to_dataclass
 from fastdecode_cli.launch import strip_launcher_args
 from fastdecode_recipes.common import load_job, training_arguments
 
@@ -145,3 +145,12 @@ def test_other_entry_point_configs_compose(top):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name=top, overrides=["model=tiny-llama"])
     assert cfg.model.name == "tiny-llama"
+
+
+def test_export_exit_config_composes_and_converts():
+    from fastdecode_cli.export_exit import ExportExitJob
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="export_exit", overrides=["checkpoint=some/final", "exit_layer=8"])
+    job = to_dataclass(ExportExitJob, cfg, "")
+    assert (job.checkpoint, job.exit_layer, job.output_dir) == ("some/final", 8, None)

@@ -79,9 +79,12 @@ def test_console_scripts_compose_and_train_from_another_folder(venv, tmp_path):
             "model" in _run([str(venv / "bin" / script), "--cfg", "job", "model=tiny-llama"], tmp_path).stdout
         )
     assert "--steps" in _run([str(venv / "bin" / "fastdecode-train-cost"), "--help"], tmp_path).stdout
+    export = [str(venv / "bin" / "fastdecode-export-exit"), "--cfg", "job", "checkpoint=some/final"]
+    assert "exit_layer" in _run(export, tmp_path).stdout  # no model group: the checkpoint is the model
     section = (ROOT / "pyproject.toml").read_text().split("[project.scripts]\n")[1].split("\n[")[0]
     declared = {line.split("=")[0].strip() for line in section.splitlines() if "=" in line}
-    assert declared == {*hydra_scripts, "fastdecode-train", "fastdecode-train-cost"}  # every one tested here
+    others = {"fastdecode-train", "fastdecode-train-cost", "fastdecode-export-exit"}
+    assert declared == {*hydra_scripts, *others}  # every one tested here
     assert all((venv / "bin" / script).is_file() for script in declared)
     data = tmp_path / "chat.jsonl"
     data.write_text(
