@@ -240,3 +240,18 @@ def test_bad_inputs_are_refused():
     head.d2t.copy_(targets - torch.arange(DRAFT))
     with pytest.raises(ValueError, match="ascending target-id order"):
         ttt_loss(head, batch)
+
+
+@pytest.mark.parametrize("kind", ["kl", "ce"])
+def test_precomputed_targets_give_the_same_loss(kind):
+    head, batch = random_head(), make_batch()
+    logits = batch.pop("target_logits")
+    with pytest.raises(KeyError, match="target_logits"):
+        ttt_loss(head, batch)
+    batch["target_logp"] = target_draft_distribution(logits, head.t2d)
+    batch["target_ids"] = target_draft_argmax(logits, head.t2d)
+    with torch.no_grad():
+        given = ttt_loss(head, batch, kind=kind)
+        computed = ttt_loss(head, {**batch, "target_logits": logits}, kind=kind)
+    torch.testing.assert_close(given[0], computed[0])
+    assert given[1:] == computed[1:]
