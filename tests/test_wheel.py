@@ -26,6 +26,7 @@ PACKAGES = (
     "cllm_train",
     "skipdecode_train",
     "adapter_train",
+    "eagle3_train",
 )
 
 pytestmark = pytest.mark.slow
