@@ -273,5 +273,6 @@ def load_eagle3(path: str | os.PathLike) -> tuple[Eagle3Head, Eagle3Config]:
     head = Eagle3Head(cfg)
     _check_weights(head, state, folder)
     head.to(state["fc.weight"].dtype)
-    head.load_state_dict({k: v.to(head.state_dict()[k].dtype) for k, v in state.items()})
+    own = head.state_dict()  # once: its dtypes (d2t, t2d keep theirs)
+    head.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
     return head, cfg

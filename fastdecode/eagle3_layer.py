@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdecode.engine import rms_norm
+
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, computed in fp32 and cast back (Llama's RMSNorm)."""
@@ -33,10 +35,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., dim]`` -> ``[..., dim]``."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        """``x [..., dim]`` -> ``[..., dim]`` (``engine.rms_norm``, the project's one RMSNorm)."""
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(
