@@ -7,6 +7,10 @@
 SGLang and sgl-project/SpecForge (``--speculative-algorithm EAGLE3 --speculative-draft-model-path
 DIR/sglang``: ``architectures: ["LlamaForCausalLMEagle3"]``, a flat one-layer Llama config, ``midlayer.*``
 instead of ``layers.0.*``). Neither holds the target's embedding: the servers take the verifier's.
+SGLang's class implements only the original EAGLE-3 layer (residual from the raw fused feature, no
+``fc_norm`` or ``norm_before_fc``) and drops weights it has no module for without a word, so a head
+trained with any of those options (``sglang_unsupported``) is written without ``sglang/`` and a warning
+says why: SGLang would serve it, computing something else.
 
 ``norm_before_residual`` is always written: vLLM assumes true when it is absent, speculators false, and a
 head read with the other value drafts badly. ``load_eagle3`` reads either dialect (told apart by
@@ -109,6 +113,19 @@ def sglang_config(cfg: Eagle3Config) -> dict[str, Any]:
     }
 
 
+def sglang_unsupported(cfg: Eagle3Config) -> list[str]:
+    """The settings of ``cfg`` that SGLang's ``LlamaForCausalLMEagle3`` does not implement (empty: SGLang
+    runs the head as trained). Its layer always takes the residual from the raw fused feature
+    (``norm_before_residual`` false) and it has no ``fc_norm`` or ``input_norm`` module, whose weights
+    its ``load_weights`` would skip silently."""
+    options = {
+        "norm_before_residual": cfg.norm_before_residual,
+        "fc_norm": cfg.fc_norm,
+        "norm_before_fc": cfg.norm_before_fc,
+    }
+    return [name for name, on in options.items() if on]
+
+
 def _renamed(state: dict[str, torch.Tensor], old: str, new: str) -> dict[str, torch.Tensor]:
     return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in state.items()}
 
@@ -128,19 +145,29 @@ def save_eagle3(
     verifier_name: str,
     speculative_tokens: int = 3,
 ) -> Path:
-    """Write ``head`` to ``out_dir`` (speculators dialect) and ``out_dir/sglang`` (SGLang dialect), as one
-    atomic directory; ``verifier_name``: the target's hub id or path, as the server should load it."""
+    """Write ``head`` to ``out_dir`` (speculators dialect) and ``out_dir/sglang`` (SGLang dialect, only when
+    ``sglang_unsupported(cfg)`` is empty), as one atomic directory; ``verifier_name``: the target's hub id
+    or path, as the server should load it."""
     if cfg != head.config:
         raise ValueError("cfg is not the configuration the head was built with")
     if speculative_tokens < 1:
         raise ConfigError(f"speculative_tokens={speculative_tokens}: give at least 1")
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     dtype = head.fc.weight.dtype
+    unsupported = sglang_unsupported(cfg)
+    if unsupported:
+        log.warning(
+            "not writing %s: SGLang's LlamaForCausalLMEagle3 does not implement %s and would serve the head "
+            "computing something else; vLLM serves the directory as written. Train with those options off "
+            "to serve with SGLang",
+            Path(out_dir) / SGLANG_DIR,
+            ", ".join(f"{name}=true" for name in unsupported),
+        )
     with atomic_directory(out_dir) as tmp:
         _write(tmp, speculators_config(cfg, verifier_name, speculative_tokens), state, dtype)
-        _write(
-            tmp / SGLANG_DIR, sglang_config(cfg), _renamed(state, LAYER_PREFIX, SGLANG_LAYER_PREFIX), dtype
-        )
+        if not unsupported:
+            sglang_state = _renamed(state, LAYER_PREFIX, SGLANG_LAYER_PREFIX)
+            _write(tmp / SGLANG_DIR, sglang_config(cfg), sglang_state, dtype)
     return Path(out_dir)
 
 
@@ -168,9 +195,9 @@ def _field(config: dict[str, Any], key: str, path: Path) -> Any:
     return config[key]
 
 
-def _norm_before_residual(config: dict[str, Any], path: Path) -> bool:
-    if "norm_before_residual" in config:
-        return bool(config["norm_before_residual"])
+def _norm_before_residual(config: dict[str, Any], path: Path, sglang: bool) -> bool:
+    if "norm_before_residual" in config or sglang:  # SGLang and SpecForge have only the false layer
+        return bool(config.get("norm_before_residual", False))
     log.warning(
         "%s has no norm_before_residual: reading it as false (the speculators default); vLLM would assume "
         "true, so this head drafts differently there. Write the key to say which it was trained with",
@@ -218,7 +245,7 @@ def config_from_files(config: dict[str, Any], path: Path) -> Eagle3Config:
             rms_norm_eps=layer.get("rms_norm_eps", 1e-5),
             rope_theta=rope_theta_of(SimpleNamespace(**layer)),
             max_position_embeddings=layer.get("max_position_embeddings", 2048),
-            norm_before_residual=_norm_before_residual(config, path),
+            norm_before_residual=_norm_before_residual(config, path, arch == SGLANG_ARCHITECTURE),
             fc_norm=bool(config.get("fc_norm", False)),
             norm_before_fc=bool(config.get("norm_before_fc", False)),
             target_architectures=list(target_arch or []),
