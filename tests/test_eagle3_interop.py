@@ -21,6 +21,7 @@ its own virtual environment (speculators 0.9.0 pins transformers <= 5.19):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -33,7 +34,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_train.losses import ttt_unroll
 from fastdecode.eagle3 import Eagle3Config, Eagle3Head
-from fastdecode.eagle3_files import save_eagle3, sglang_unsupported
+from fastdecode.eagle3_files import load_eagle3, save_eagle3, sglang_unsupported
 from tests.test_eagle3_head import DRAFT, KEPT, H, inputs, random_head, rms, target_config
 
 STACKED = [  # SGLang's stacked_params_mapping: (param_name, shard_name, shard_id)
@@ -124,6 +125,20 @@ def test_heads_sglang_cannot_run_are_not_exported_to_it(tmp_path, options):
     assert sglang_unsupported(head.config)
     out = save_eagle3(head, head.config, tmp_path / "head", verifier_name="org/target")
     assert (out / "config.json").is_file() and not (out / "sglang").exists()
+
+
+def test_a_specforge_config_without_norm_before_residual_is_read_as_sglang_runs_it(tmp_path, caplog):
+    head = random_head(seed=4, norm_before_residual=False)
+    out = save_eagle3(head, head.config, tmp_path / "head", verifier_name="org/target") / "sglang"
+    config = json.loads((out / "config.json").read_text())
+    for key in ("norm_before_residual", "norm_before_fc", "fc_norm"):  # SpecForge writes none of them
+        del config[key]
+    (out / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="fastdecode.eagle3_files"):
+        loaded, cfg = load_eagle3(out)
+    assert cfg.norm_before_residual is False and not caplog.text  # SGLang's only layer: no doubt to warn of
+    embeds, features, positions = inputs()
+    assert torch.equal(loaded(embeds, features, positions)[0], head(embeds, features, positions)[0])
 
 
 def sglang_forward(routed: dict, config: dict, embeds: torch.Tensor, features: torch.Tensor, positions):
