@@ -32,8 +32,9 @@ def draft_logits(head_dir: str, inputs: dict) -> list[torch.Tensor]:
     model = Eagle3DraftModel.from_pretrained(head_dir, torch_dtype=torch.float32).eval()
     # speculators 0.9.0 under transformers 5.x: from_pretrained leaves embed_tokens.weight, absent from the
     # checkpoint, as uninitialised memory instead of its NaN marker, so load_verifier_weights ("load the
-    # verifier's embedding if NaN") keeps whatever bytes were there. Its own loader, told to overwrite,
-    # puts the verifier's embedding in, as the class means to.
+    # verifier's embedding if NaN") keeps whatever bytes were there (the NaN guard's flaw, as
+    # vllm-project/speculators PR #962 describes it for DFlash). Its own loader, told to overwrite, puts the
+    # verifier's embedding in, as the class means to.
     before = model.embed_tokens.weight.detach().clone()
     model._load_verifier_weights(overwrite_embed_tokens=True)  # noqa: SLF001
     if not torch.equal(before, model.embed_tokens.weight):
