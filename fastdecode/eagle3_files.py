@@ -127,20 +127,29 @@ def save_eagle3(
     *,
     verifier_name: str,
     speculative_tokens: int = 3,
+    in_place: bool = False,
 ) -> Path:
     """Write ``head`` to ``out_dir`` (speculators dialect) and ``out_dir/sglang`` (SGLang dialect), as one
-    atomic directory; ``verifier_name``: the target's hub id or path, as the server should load it."""
+    atomic directory; ``verifier_name``: the target's hub id or path, as the server should load it.
+    ``in_place``: write into the existing ``out_dir`` directly (it is itself a staging directory that its
+    caller renames as a whole, e.g. a training run's ``final/`` with its other files)."""
     if cfg != head.config:
         raise ValueError("cfg is not the configuration the head was built with")
     if speculative_tokens < 1:
         raise ConfigError(f"speculative_tokens={speculative_tokens}: give at least 1")
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     dtype = head.fc.weight.dtype
-    with atomic_directory(out_dir) as tmp:
-        _write(tmp, speculators_config(cfg, verifier_name, speculative_tokens), state, dtype)
-        _write(
-            tmp / SGLANG_DIR, sglang_config(cfg), _renamed(state, LAYER_PREFIX, SGLANG_LAYER_PREFIX), dtype
-        )
+
+    def write(folder: Path) -> None:
+        _write(folder, speculators_config(cfg, verifier_name, speculative_tokens), state, dtype)
+        sglang_state = _renamed(state, LAYER_PREFIX, SGLANG_LAYER_PREFIX)
+        _write(folder / SGLANG_DIR, sglang_config(cfg), sglang_state, dtype)
+
+    if in_place:
+        write(Path(out_dir))
+    else:
+        with atomic_directory(out_dir) as tmp:
+            write(tmp)
     return Path(out_dir)
 
 
