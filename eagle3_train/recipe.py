@@ -38,7 +38,7 @@ from fastdecode.machine import machine_label
 from fastdecode.model import EarlyExitModel
 from fastdecode.tokens import eos_ids
 from fastdecode.training.features import FeatureDataset, cache_training_features, generation_prompts
-from fastdecode_recipes.common import TrainJob
+from fastdecode_recipes.common import TrainJob, full_state_dict
 from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
 
 log = logging.getLogger(__name__)
@@ -185,13 +185,21 @@ class Eagle3Recipe(Recipe):
         return {"final": str(final), "features": features, "base_weights_sha256": self.base_hash}
 
     def export(self, run: FinetuneRun):
-        """The head into ``final/`` (both dialects), loaded back (the export check and the report then run
-        the saved head, which must equal the live one). Returns the target, on rank 0."""
+        """The trained head (gathered on every rank: ZeRO-3 partitions) into ``final/`` (both dialects) on
+        rank 0, loaded back (the export check and the report then run the saved head, which must equal the
+        trained one). Returns the target on rank 0, None elsewhere."""
         if weights_fingerprint(self.m.hf, full=True) != self.base_hash:
             raise RuntimeError("the target's weights changed during EAGLE-3 training: they must stay frozen")
+        trained = full_state_dict(
+            run.trainer.accelerator.unwrap_model(run.trainer.model_wrapped)
+        )  # all ranks
         if not is_main_process():
             return None
-        head = self.head.eval()
+        head = Eagle3Head(self.cfg)  # on the CPU, whole (ZeRO-3 partitions gathered above)
+        head.load_state_dict(
+            {k.removeprefix("head."): v for k, v in trained.items() if k.startswith("head.")}
+        )
+        head.eval()
         save_eagle3(
             head,
             self.cfg,
@@ -201,11 +209,10 @@ class Eagle3Recipe(Recipe):
             in_place=True,
         )
         loaded, cfg = load_eagle3(run.stage)
-        loaded = loaded.float().to(self.m.device)
         live = head.state_dict()
         if cfg != self.cfg or any(not torch.equal(v, live[k]) for k, v in loaded.state_dict().items()):
             raise RuntimeError(f"the head saved in {run.stage} does not load back equal to the trained head")
-        self.head = loaded
+        self.head = loaded.float().to(self.m.device)
         return self.m.hf
 
     def after_report(self, run: FinetuneRun) -> dict:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from fastdecode.data.chat import user_prompt_ids
+from fastdecode.distributed import world_size
 from fastdecode.exit_adapter import base_identity, check_base
 from fastdecode.io import check_free_space
 from fastdecode.machine import machine_label
@@ -208,12 +209,17 @@ def cache_training_features(
 ) -> ShardReader:
     """``build_features`` on the training split as ``fcfg.source`` says: its conversations teacher-forced
     (``data``), or the model's own greedy answers to their first user turns (``generate``, ending at the
-    model's EOS ids)."""
+    model's EOS ids). With several processes rank 0 builds it first, then the others find it complete."""
     sources, eos = train, None
     if fcfg.source == "generate":
         sources = generation_prompts(train, tokenizer, fcfg.max_prompt_tokens)
         eos = eos_ids(m.hf, tokenizer)
-    return build_features(m, tokenizer, sources, directory, fcfg, exits=exits, data=data, eos=eos)
+    if world_size() == 1:
+        return build_features(m, tokenizer, sources, directory, fcfg, exits=exits, data=data, eos=eos)
+    from accelerate import PartialState  # several processes: rank 0 builds, the others then reuse its cache
+
+    with PartialState().main_process_first():
+        return build_features(m, tokenizer, sources, directory, fcfg, exits=exits, data=data, eos=eos)
 
 
 def _feature_records(
