@@ -65,6 +65,7 @@ class Eagle3LM(nn.Module):
         super().__init__()
         self.head = head
         self._frozen = (m,)  # a tuple: not a submodule, so neither trained nor saved
+        self.config = m.hf.config  # the target's: DeepSpeed sizes its buckets from ``hidden_size``
         self.aux, self.loss_cfg = list(aux), dict(loss)
         rows = head.draft_to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
         weight = m.lm_head.weight.detach()

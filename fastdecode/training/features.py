@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from fastdecode.data.chat import user_prompt_ids
-from fastdecode.distributed import world_size
 from fastdecode.exit_adapter import base_identity, check_base
 from fastdecode.io import check_free_space
+from fastdecode.locks import file_lock
 from fastdecode.machine import machine_label
 from fastdecode.model import EarlyExitModel
 from fastdecode.progress import human_seconds, phase
@@ -209,16 +209,15 @@ def cache_training_features(
 ) -> ShardReader:
     """``build_features`` on the training split as ``fcfg.source`` says: its conversations teacher-forced
     (``data``), or the model's own greedy answers to their first user turns (``generate``, ending at the
-    model's EOS ids). With several processes rank 0 builds it first, then the others find it complete."""
+    model's EOS ids). One process at a time (a file lock beside the cache): the ranks of a launch, or runs
+    sharing a cache, wait for the one building it, then find it complete."""
     sources, eos = train, None
     if fcfg.source == "generate":
         sources = generation_prompts(train, tokenizer, fcfg.max_prompt_tokens)
         eos = eos_ids(m.hf, tokenizer)
-    if world_size() == 1:
-        return build_features(m, tokenizer, sources, directory, fcfg, exits=exits, data=data, eos=eos)
-    from accelerate import PartialState  # several processes: rank 0 builds, the others then reuse its cache
-
-    with PartialState().main_process_first():
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(directory.parent / f"{directory.name}.lock", f"the feature cache {directory}"):
         return build_features(m, tokenizer, sources, directory, fcfg, exits=exits, data=data, eos=eos)
 
 
