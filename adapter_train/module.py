@@ -13,7 +13,7 @@ from fastdecode.model import EarlyExitModel
 
 
 class AdapterLM(nn.Module):
-    """One adapter per exit, trained on cached features (``adapter_train/features.py``).
+    """One adapter per exit, trained on cached features (``fastdecode/training/features.py``).
 
     Args:
         m: the frozen model (its final norm and LM head are the drafter's head; never trained).

@@ -25,12 +25,11 @@ from typing import Any
 import torch
 
 from adapter_train.config import ExitAdapterConfig
-from adapter_train.features import FeatureDataset, build_features, collate_features
 from adapter_train.module import AdapterLM
 from adapter_train.report import report
 from adapter_train.trainer import AdapterTrainer
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
-from fastdecode.data.chat import build_datasets, user_prompt_ids
+from fastdecode.data.chat import build_datasets
 from fastdecode.data.config import DataConfig
 from fastdecode.data.draft_vocab import draft_vocab_from_examples
 from fastdecode.distributed import is_main_process
@@ -48,7 +47,7 @@ from fastdecode.identity import weights_fingerprint
 from fastdecode.io import atomic_write_json
 from fastdecode.machine import machine_label
 from fastdecode.model import EarlyExitModel
-from fastdecode.tokens import eos_ids
+from fastdecode.training.features import FeatureDataset, cache_training_features, collate_features
 from fastdecode_recipes.common import TrainJob, job_tokenizer
 from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
 
@@ -78,17 +77,6 @@ def draft_vocabulary(rcfg: ExitAdapterConfig, train: list[dict], tokenizer, m: E
     if rcfg.draft_vocab_size is None or rcfg.draft_vocab_size >= len(tokenizer):
         return None
     return draft_vocab_from_examples(train, tokenizer, rcfg.draft_vocab_size).to(m.device)
-
-
-def generation_prompts(train: list[dict], tokenizer, max_prompt_tokens: int) -> list[dict]:
-    """Chat-templated first user turns of the training examples (at most ``max_prompt_tokens``), in order."""
-    out = []
-    for ex in train:
-        if ex.get("prompt", "").strip():
-            ids = user_prompt_ids(tokenizer, ex["prompt"])
-            if len(ids) <= max_prompt_tokens:
-                out.append({"input_ids": ids})
-    return out
 
 
 def _report_set(rcfg: ExitAdapterConfig, tokenizer, held_out: list[dict]) -> list[dict]:
@@ -149,19 +137,14 @@ class ExitAdapterRecipe(Recipe):
         train, held_out = build_datasets(self.job.data, tokenizer)
         self.vocab = draft_vocabulary(rcfg, train, tokenizer, m, self.given_vocab)
         self.report_set = _report_set(rcfg, tokenizer, held_out) if rcfg.report.enabled else []
-        sources, eos = train, None
-        if rcfg.features.source == "generate":  # the model's own answers to the training split's first turns
-            sources = generation_prompts(train, tokenizer, rcfg.features.max_prompt_tokens)
-            eos = eos_ids(m.hf, tokenizer)
-        self.reader = build_features(
+        self.reader = cache_training_features(
             m,
             tokenizer,
-            sources,
+            train,
             self.feature_dir,
             rcfg.features,
             exits=rcfg.cached_exits(),
             data=self.job.data,
-            eos=eos,
         )
         return FeatureDataset(self.reader, rcfg.exits, rcfg.loss.target), held_out
 

@@ -150,12 +150,13 @@ def ttt_loss(
     decay: float = 0.8,
     kind: str = "kl",
     prev_correct: bool = False,
-) -> tuple[torch.Tensor, int, dict[str, float]]:
+) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
     """The TTT loss of ``head`` on ``batch`` (module docstring: fields and alignment).
 
     Returns ``(loss_sum, count, metrics)``: ``loss_sum = sum_k decay**k * sum_k`` (float32, differentiable),
     ``count`` the step-0 scored positions (divide the accumulated ``loss_sum`` by the accumulated ``count``),
-    and per step ``k``: ``loss_k`` (that step's mean), ``acc_k`` (share of its scored positions where the
+    and per step ``k``, as detached scalar tensors (no host sync: a trainer converts them when it logs):
+    ``loss_k`` (that step's mean), ``acc_k`` (share of its scored positions where the
     draft's argmax is the target's argmax; one outside the draft vocabulary is a miss), ``count_k``.
     ``prev_correct``: step ``k`` scores a row only where steps ``0 .. k-1`` all matched the target's argmax
     (an option of speculators; off by default).
@@ -185,10 +186,10 @@ def ttt_loss(
         correct = step_logits.argmax(dim=-1) == step_ids
         loss_sum = loss_sum + decay**k * s
         count = n if k == 0 else count
-        scored = int(valid.sum())
-        metrics[f"loss_{k}"] = s.item() / max(n, 1)
-        metrics[f"acc_{k}"] = int((correct & valid).sum()) / max(scored, 1)
-        metrics[f"count_{k}"] = float(n)
+        scored = valid.sum().clamp(min=1)
+        metrics[f"loss_{k}"] = s.detach() / max(n, 1)
+        metrics[f"acc_{k}"] = (correct & valid).sum() / scored
+        metrics[f"count_{k}"] = torch.tensor(float(n), device=s.device)
         if prev_correct:
             alive = alive & correct
     return loss_sum, count, metrics

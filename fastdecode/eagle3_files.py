@@ -144,10 +144,12 @@ def save_eagle3(
     *,
     verifier_name: str,
     speculative_tokens: int = 3,
+    in_place: bool = False,
 ) -> Path:
     """Write ``head`` to ``out_dir`` (speculators dialect) and ``out_dir/sglang`` (SGLang dialect, only when
     ``sglang_unsupported(cfg)`` is empty), as one atomic directory; ``verifier_name``: the target's hub id
-    or path, as the server should load it."""
+    or path, as the server should load it. ``in_place``: write into the existing ``out_dir`` directly (it is
+    itself a staging directory that its caller renames as a whole, e.g. a training run's ``final/``)."""
     if cfg != head.config:
         raise ValueError("cfg is not the configuration the head was built with")
     if speculative_tokens < 1:
@@ -163,11 +165,18 @@ def save_eagle3(
             Path(out_dir) / SGLANG_DIR,
             ", ".join(f"{name}=true" for name in unsupported),
         )
-    with atomic_directory(out_dir) as tmp:
-        _write(tmp, speculators_config(cfg, verifier_name, speculative_tokens), state, dtype)
+
+    def write(folder: Path) -> None:
+        _write(folder, speculators_config(cfg, verifier_name, speculative_tokens), state, dtype)
         if not unsupported:
             sglang_state = _renamed(state, LAYER_PREFIX, SGLANG_LAYER_PREFIX)
-            _write(tmp / SGLANG_DIR, sglang_config(cfg), sglang_state, dtype)
+            _write(folder / SGLANG_DIR, sglang_config(cfg), sglang_state, dtype)
+
+    if in_place:
+        write(Path(out_dir))
+    else:
+        with atomic_directory(out_dir) as tmp:
+            write(tmp)
     return Path(out_dir)
 
 

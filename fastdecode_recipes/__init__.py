@@ -20,6 +20,7 @@ RECIPES: dict[str, str] = {
     "skipdecode": "skipdecode_train.recipe",
     "cllm": "cllm_train.recipe",
     "exit_adapter": "adapter_train.recipe",
+    "eagle3": "eagle3_train.recipe",
 }
 
 

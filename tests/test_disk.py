@@ -169,9 +169,9 @@ def test_a_run_refused_for_room_on_a_small_disk_leaves_nothing_behind(tmp_path):
 
 
 def test_the_feature_cache_estimate_is_its_size_and_too_little_room_is_refused(tmp_path, monkeypatch):
-    from adapter_train.config import FeatureConfig
-    from adapter_train.features import build_features, cache_bytes
     from fastdecode.model import EarlyExitModel
+    from fastdecode.training.feature_config import FeatureConfig
+    from fastdecode.training.features import build_features, cache_bytes
     from tests.helpers import random_examples, tiny_model
 
     model, tokenizer = tiny_model("tiny-llama")

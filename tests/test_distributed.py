@@ -93,3 +93,44 @@ def test_skipdecode_two_process_ddp_exports_a_loadable_checkpoint(tmp_path):
     assert summary["export_check"]["abs_diff"] < 1e-4
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert all(p.numel() > 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind,deepspeed", [("ddp", "none"), ("deepspeed", "zero2"), ("deepspeed", "zero3")])
+def test_eagle3_two_process_training_exports_the_trained_head(tmp_path, kind, deepspeed):
+    """Rank 0 builds the feature cache, the other rank reuses it; the head is gathered (ZeRO-3) and saved
+    once, equal to the last checkpoint's."""
+    from fastdecode.eagle3_files import load_eagle3
+
+    data = write_chat_jsonl(tmp_path / "chat.jsonl")
+    out = tmp_path / "run"
+    args = [
+        "train.py",
+        "recipe=eagle3",
+        "recipe.aux_layer_ids=[1,2,3]",
+        "recipe.draft_vocab_size=100",
+        "recipe.features.max_new_tokens=6",
+        "recipe.features.max_records=8",
+        "recipe.features.batch_size=4",
+        "recipe.features.shard_records=4",
+        "recipe.report.prompts=2",
+        "recipe.report.max_new_tokens=6",
+        "model=tiny-llama",
+        "data=jsonl",
+        f"data.path={data}",
+        "data.held_out=4",
+        "trainer.max_steps=2",
+        "trainer.save_steps=2",
+        "trainer.per_device_train_batch_size=2",
+        f"deepspeed={deepspeed}",
+        f"output_dir={out}",
+    ]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        _launcher(kind) + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["export_check"]["abs_diff"] < 1e-4 and summary["features"]["sequences"] == 8
+    head = load_eagle3(out / "final")[0].state_dict()
+    assert all(v.numel() > 0 for v in head.values())  # no empty ZeRO-3 partitions saved
+    assert (out / "final" / "acceptance.json").is_file()

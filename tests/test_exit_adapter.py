@@ -20,9 +20,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from adapter_train.config import ExitAdapterConfig, FeatureConfig, LossConfig
-from adapter_train.feature_records import batch_features
-from adapter_train.features import FeatureDataset, build_features, collate_features
+from adapter_train.config import ExitAdapterConfig, LossConfig
 from adapter_train.module import AdapterLM
 from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig
 from fastdecode.draft_vocab_file import save_draft_vocab
@@ -37,6 +35,9 @@ from fastdecode.exit_adapter import (
 )
 from fastdecode.model import EarlyExitModel
 from fastdecode.tensor_shards import ShardHeaderError, ShardReader, ShardWriter
+from fastdecode.training.feature_config import FeatureConfig
+from fastdecode.training.feature_records import batch_features
+from fastdecode.training.features import FeatureDataset, build_features, collate_features
 from tests.conftest import TINY_MODELS
 from tests.helpers import (
     assert_drafted_and_accepted,
@@ -206,8 +207,8 @@ _KILL_SCRIPT = textwrap.dedent(
     """
     import json, sys, time
     import torch
-    from adapter_train.config import FeatureConfig
-    from adapter_train.features import build_features
+    from fastdecode.training.feature_config import FeatureConfig
+    from fastdecode.training.features import build_features
     from fastdecode.config import ModelConfig, load_group
     from fastdecode.loading import load_model
     from fastdecode.model import EarlyExitModel

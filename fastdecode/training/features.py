@@ -31,14 +31,17 @@ from typing import Any
 
 import torch
 
-from adapter_train.config import FeatureConfig
-from adapter_train.feature_records import batch_features, generation_features, scored_positions
+from fastdecode.data.chat import user_prompt_ids
 from fastdecode.exit_adapter import base_identity, check_base
 from fastdecode.io import check_free_space
+from fastdecode.locks import file_lock
 from fastdecode.machine import machine_label
 from fastdecode.model import EarlyExitModel
 from fastdecode.progress import human_seconds, phase
 from fastdecode.tensor_shards import MANIFEST, ShardHeaderError, ShardReader, ShardWriter, check_header
+from fastdecode.tokens import eos_ids
+from fastdecode.training.feature_config import FeatureConfig
+from fastdecode.training.feature_records import batch_features, generation_features, scored_positions
 
 log = logging.getLogger(__name__)
 SCHEMA = 1
@@ -94,6 +97,17 @@ def _check_existing(directory: Path, header: dict, m: EarlyExitModel, tokenizer:
             f"{path} is an unfinished cache of exits {cached}; resume it with recipe.features.exits={cached}."
         )
     return found
+
+
+def generation_prompts(train: list[dict], tokenizer, max_prompt_tokens: int) -> list[dict]:
+    """Chat-templated first user turns of the training examples (at most ``max_prompt_tokens``), in order."""
+    out = []
+    for ex in train:
+        if ex.get("prompt", "").strip():
+            ids = user_prompt_ids(tokenizer, ex["prompt"])
+            if len(ids) <= max_prompt_tokens:
+                out.append({"input_ids": ids})
+    return out
 
 
 def batch_order(examples: list[dict], batch_size: int) -> list[int]:
@@ -181,6 +195,30 @@ def build_features(
     manifest = writer.finish(summary=_summary(writer.manifest["stats"], len(order), started, m.device))
     log.info("features: %s", summary_text(manifest["summary"]))
     return ShardReader(directory, limit=len(order))
+
+
+def cache_training_features(
+    m: EarlyExitModel,
+    tokenizer: Any,
+    train: list[dict],
+    directory: str | Path,
+    fcfg: FeatureConfig,
+    *,
+    exits: list[int],
+    data: Any,
+) -> ShardReader:
+    """``build_features`` on the training split as ``fcfg.source`` says: its conversations teacher-forced
+    (``data``), or the model's own greedy answers to their first user turns (``generate``, ending at the
+    model's EOS ids). One process at a time (a file lock beside the cache): the ranks of a launch, or runs
+    sharing a cache, wait for the one building it, then find it complete."""
+    sources, eos = train, None
+    if fcfg.source == "generate":
+        sources = generation_prompts(train, tokenizer, fcfg.max_prompt_tokens)
+        eos = eos_ids(m.hf, tokenizer)
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(directory.parent / f"{directory.name}.lock", f"the feature cache {directory}"):
+        return build_features(m, tokenizer, sources, directory, fcfg, exits=exits, data=data, eos=eos)
 
 
 def _feature_records(

@@ -1,0 +1,203 @@
+"""``recipe=eagle3`` end to end on tiny-llama (feature cache and online mode): the head exported in both
+dialects and equal to the trained one, its acceptance record, resume, bad settings refused before the
+weights load; and the report's chain replay against chain drafting by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fastdecode_recipes
+from eagle3_train.losses import ttt_loss
+from eagle3_train.report import leading_matches, rounds_per_k
+from fastdecode.acceptance import read_record
+from fastdecode.config import ConfigError
+from fastdecode.eagle3 import Eagle3Config, Eagle3Head
+from fastdecode.eagle3_files import load_eagle3
+from fastdecode.eagle3_layer import Eagle3KV
+from fastdecode.model import EarlyExitModel
+from tests.helpers import tiny_model
+from tests.job_configs import LIVELY, train_cfg
+
+AUX = [1, 2, 3]
+
+
+def eagle3_cfg(tmp_path: Path, *extra: str):
+    return train_cfg(
+        tmp_path,
+        "eagle3",
+        LIVELY,
+        "trainer.learning_rate=3e-3",
+        "recipe.aux_layer_ids=[1,2,3]",
+        "recipe.draft_vocab_size=200",
+        "recipe.report.prompts=3",
+        "recipe.report.max_new_tokens=8",
+        "recipe.features.batch_size=4",
+        "recipe.features.shard_records=8",
+        "recipe.features.max_new_tokens=8",
+        "recipe.features.max_records=16",
+        *extra,
+    )
+
+
+def head_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in load_eagle3(path)[0].state_dict().items()}
+
+
+def test_eagle3_recipe_trains_exports_and_records(tmp_path):
+    summary = fastdecode_recipes.run(eagle3_cfg(tmp_path, "recipe.speculative_tokens=4"))
+    run, final = tmp_path / "run", tmp_path / "run" / "final"
+    # final/ is the head in both dialects, equal to the trained head of the last checkpoint
+    trained = {
+        k.removeprefix("head."): v for k, v in load_file(run / "checkpoint-4" / "model.safetensors").items()
+    }
+    for path in (final, final / "sglang"):
+        saved = head_tensors(path)
+        assert set(saved) == set(trained)
+        assert all(torch.equal(saved[k], trained[k]) for k in saved)
+    config = json.loads((final / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX and config["draft_vocab_size"] == 200
+    spec = config["speculators_config"]
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 4
+    assert spec["verifier"]["name_or_path"] == "tiny-llama"
+    assert "embed_tokens.weight" not in load_file(final / "model.safetensors")  # the target's: not saved
+    assert summary["export_check"]["abs_diff"] == 0 and summary["base_weights_unchanged"]
+    # acceptance.json: what auto plans from, consistent with the summary's figures
+    record = read_record(final)
+    (drafter,) = record.find("eagle3")
+    figures = summary["acceptance"]
+    assert drafter.acceptance == figures["conditional_acceptance"][0]
+    assert sorted(drafter.tokens_per_round) == list(range(1, 9))
+    assert all(1.0 <= v <= k + 1 for k, v in drafter.tokens_per_round.items())
+    assert figures["answers"] == 3 and record.tokens == figures["tokens"] > 0
+    assert set(figures["acceptance_length"]) == {3, 5}
+    assert {"loss_0", "acc_0", "loss_2", "acc_2"} <= set(summary["metrics"]) | set(
+        json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())["log_history"][0]
+    )
+    assert summary["features"]["sequences"] == 16 and summary["features"]["mode"] == "cache"
+
+
+def test_online_mode_computes_the_features_per_batch(tmp_path):
+    summary = fastdecode_recipes.run(
+        eagle3_cfg(
+            tmp_path,
+            "recipe.features.mode=online",
+            "recipe.features.source=data",
+            "recipe.loss=ce",
+            "recipe.report.enabled=false",
+        )
+    )
+    final = tmp_path / "run" / "final"
+    assert summary["features"] == {"mode": "online"} and not (tmp_path / "run" / "features").exists()
+    assert summary["export_check"]["abs_diff"] == 0 and summary["metrics"]["train_loss"] > 0
+    assert load_eagle3(final)[1].draft_vocab_size == 200 and read_record(final) is None
+
+
+def test_a_run_resumes_from_its_checkpoint(tmp_path):
+    fast = ("recipe.report.enabled=false", "resume_from_checkpoint=auto")
+    fastdecode_recipes.run(eagle3_cfg(tmp_path, "trainer.max_steps=2", *fast))
+    assert (tmp_path / "run" / "checkpoint-2").is_dir()
+    resumed = fastdecode_recipes.run(eagle3_cfg(tmp_path, *fast))  # steps 3 and 4 only
+    state = json.loads((tmp_path / "run" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3, 4]
+    assert resumed["export_check"]["abs_diff"] == 0
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["recipe.aux_layer_ids=[1,2,4]"], r"recipe.aux_layer_ids=\[1, 2, 4\] .* 4 layers"),
+        (["recipe.aux_layer_ids=null"], r"recipe.aux_layer_ids=null .* = \[2, 2, 1\]"),
+        (["recipe.draft_vocab_size=262"], r"draft_vocab_size=262 .* \(261\)"),
+        (["peft=lora"], "set peft=none"),
+        (["recipe.features.mode=online"], "set recipe.features.source=data"),
+        (
+            ["recipe.features.mode=online", "recipe.features.source=data", "data.packing=true"],
+            "packing=false",
+        ),
+        (["recipe.fc_norm=true", "recipe.norm_before_fc=true"], "mutually exclusive"),
+        (["recipe.report.data=nope"], "recipe.report.data"),
+    ],
+)
+def test_bad_settings_are_refused_before_the_weights_load(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.setattr("fastdecode_recipes.finetune.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    with pytest.raises(ConfigError, match=message):
+        fastdecode_recipes.run(eagle3_cfg(tmp_path, *overrides))
+
+
+def test_ttt_metrics_stay_tensors():
+    model = tiny_model("tiny-llama")[0]
+    head = Eagle3Head(Eagle3Config.from_target(model.config, draft_vocab_size=261, aux_layer_ids=AUX))
+    gen = torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(261, (2, 6), generator=gen),
+        "embeds": torch.randn(2, 6, 64, generator=gen),
+        "features": torch.randn(2, 6, 192, generator=gen),
+        "target_logits": torch.randn(2, 6, 261, generator=gen),
+        "loss_mask": torch.ones(2, 6, dtype=torch.bool),
+    }
+    _, _, metrics = ttt_loss(head, batch, steps=2)
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in metrics.values())
+
+
+def random_head(model) -> Eagle3Head:
+    head = Eagle3Head(Eagle3Config.from_target(model.config, draft_vocab_size=261, aux_layer_ids=AUX))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn(p.shape, generator=gen))
+    return head.eval()
+
+
+def chain_accepted(head, m, ids: list[int], features, row: int, answer_next: list[int]) -> int:
+    """Chain drafting by hand from ``row`` (the head's step 0 over rows ``0..row``, then each draft's own
+    token and hidden state fed back, one position per step): how many drafts equal ``answer_next``."""
+    tokens = torch.tensor([ids[1 : row + 2]])
+    pos = torch.arange(1, row + 2)[None]
+    kv = Eagle3KV()
+    logits, hidden = head(m.embed(tokens, pos), features[:, : row + 1], pos, kv)
+    hidden, accepted = hidden[:, -1:], 0
+    for k, want in enumerate(answer_next):
+        draft = head.draft_to_target(logits[0, -1].argmax())
+        if int(draft) != want:
+            break
+        accepted += 1
+        step_pos = pos[:, -1:] + k + 1
+        logits, hidden = head(m.embed(draft.view(1, 1), step_pos), hidden, step_pos, kv)
+    return accepted
+
+
+@torch.no_grad()
+def test_the_report_replays_chain_drafting_exactly():
+    """An answer built from the head's own first drafts (so every start accepts at least one): the
+    report's accepted run per start equals chain drafting by hand, with the drafts' own embeddings."""
+    model = tiny_model("tiny-llama")[0]
+    m, head = EarlyExitModel(model), random_head(model)
+    gen = torch.Generator().manual_seed(1)
+    prompt, n = [3, 50, 60, 70], 7
+    features = torch.randn(1, len(prompt) + n - 1, 192, generator=gen)
+    answer = [90]
+    for j in range(1, n):  # a_j: the head's step-0 draft after a_0 .. a_{j-1}
+        ids, row = prompt + answer, len(prompt) + j - 2
+        tokens, pos = torch.tensor([ids[1 : row + 2]]), torch.arange(1, row + 2)[None]
+        logits, _ = head(m.embed(tokens, pos), features[:, : row + 1], pos)
+        answer.append(int(head.draft_to_target(logits[0, -1].argmax())))
+    record = {"input_ids": torch.tensor(prompt + answer[:-1]), "targets": torch.tensor(answer)}
+    record |= {f"h{a}": part for a, part in zip(AUX, features[0].chunk(3, dim=-1), strict=True)}
+    lead, hits, tried = leading_matches(head, m, record, AUX, 8)
+    ids = prompt + answer
+    for j in range(1, n):
+        by_hand = chain_accepted(head, m, ids, features, len(prompt) + j - 2, answer[j:])
+        assert lead[j] == by_hand >= 1
+    assert hits[0] == tried[0] == n - 1
+
+
+def test_rounds_replay_the_accepted_runs():
+    # one answer of 6 tokens; from start 1 two drafts match, from 4 one: K=2 -> rounds at 1 (3 tokens),
+    # 4 (2 tokens: a_4 accepted, the verifier's a_5): 5 tokens in 2 rounds
+    lead = [0, 2, 0, 0, 1, 0]
+    assert rounds_per_k([lead], 2) == {1: 5 / 3, 2: 5 / 2}
