@@ -40,6 +40,8 @@ class FakeServer:
 
             def do_GET(self):
                 owner.record(self.path, None)
+                if self.path != "/v1/models":
+                    return self.reply(404, {"error": f"no route {self.path}"})
                 self.reply(200, {"object": "list", "data": [{"id": owner.model, "object": "model"}]})
 
             def do_POST(self):
@@ -208,6 +210,12 @@ def test_an_unreachable_url_is_named_before_any_work(tmp_path, no_tokenizer):
     assert not (tmp_path / "own.jsonl").exists()
     with pytest.raises(ConfigError, match="http"):
         run(_cfg(tmp_path, "localhost:8000/v1"))
+
+
+def test_a_url_without_v1_is_refused_with_a_hint(tmp_path, server, no_tokenizer):
+    with pytest.raises(ServerError, match=r"HTTP 404.*end with /v1"):
+        run(_cfg(tmp_path, server.url.removesuffix("/v1")))
+    assert server.posts() == []
 
 
 def test_a_model_the_server_does_not_serve_is_refused_before_any_prompt(tmp_path, server, no_tokenizer):
