@@ -100,7 +100,8 @@ def run(cfg: Any) -> dict:
 
 def _run_on_server(job: RegenerateJob, out: Path, lines: list[str]) -> dict:
     """``run`` with the answers of the server ``job.server.url``: checked first, then the prompts after the
-    ``lines`` already written, the file rewritten whole every ``server.chunk`` answers."""
+    ``lines`` already written, the file rewritten whole every ``server.chunk`` answers and once more with
+    the answers received before an error (the run then resumes after them)."""
     from fastdecode.assets import model_load_path
     from fastdecode.loading import load_tokenizer
 
@@ -114,12 +115,22 @@ def _run_on_server(job: RegenerateJob, out: Path, lines: list[str]) -> dict:
     logger.info(
         "regenerate: %d prompts on %s (%s, %s)", len(prompts) - start, client.url, served, job.server.endpoint
     )
-    for answer, (user, _) in zip(client.answers(todo, job.max_new_tokens), prompts[start:], strict=False):
-        lines.append(json.dumps({"prompt": user, "response": answer}))
-        if (len(lines) - start) % job.server.chunk == 0 or len(lines) == len(prompts):
-            atomic_write_text(out, "\n".join(lines) + "\n")
-            logger.info("regenerate: %d / %d answers", len(lines), len(prompts))
+    written = start
+    try:
+        for answer, (user, _) in zip(client.answers(todo, job.max_new_tokens), prompts[start:], strict=False):
+            lines.append(json.dumps({"prompt": user, "response": answer}))
+            if (len(lines) - start) % job.server.chunk == 0:
+                written = _rewrite(out, lines, len(prompts))
+    finally:  # after the last answer, and before an error or an interrupt propagates: no answer is lost
+        if len(lines) > written:
+            _rewrite(out, lines, len(prompts))
     return {"written": len(lines), "new": len(lines) - start, "output": str(out)}
+
+
+def _rewrite(out: Path, lines: list[str], total: int) -> int:
+    atomic_write_text(out, "\n".join(lines) + "\n")  # whole file each time: never half-written
+    logger.info("regenerate: %d / %d answers", len(lines), total)
+    return len(lines)
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="regenerate", version_base="1.3")

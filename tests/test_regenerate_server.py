@@ -15,6 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import fastdecode.loading
+import fastdecode_cli.regenerate
 from fastdecode.config import CONFIG_DIR, ConfigError, load_group
 from fastdecode.data.chat import training_prompts, user_prompt_text
 from fastdecode.data.config import DataConfig
@@ -129,8 +130,18 @@ def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_chat_answers_are_written_in_the_prompts_order(tmp_path, server):
+def test_chat_answers_are_written_in_the_prompts_order(tmp_path, server, monkeypatch):
+    rewrites: list[
+        int
+    ] = []  # lines of each rewrite of the output: one per server.chunk=2 answers, then the rest
+    write = fastdecode_cli.regenerate.atomic_write_text
+    monkeypatch.setattr(
+        fastdecode_cli.regenerate,
+        "atomic_write_text",
+        lambda path, text: (rewrites.append(text.count("\n")), write(path, text)),
+    )
     result = run(_cfg(tmp_path, server.url))
+    assert rewrites == [2, 4, 6, 8, 9]
     users = _users(tmp_path)
     assert len(users) == 9 and result == {"written": 9, "new": 9, "output": str(tmp_path / "own.jsonl")}
     assert _records(tmp_path / "own.jsonl") == [
@@ -166,10 +177,10 @@ def test_an_interrupted_run_resumes_after_what_is_written(tmp_path, server):
     finally:
         broken.close()
     written = _records(tmp_path / "own.jsonl")
-    assert [r["prompt"] for r in written] == users[:4]  # whole chunks of 2 in order; the 5th not yet written
+    assert [r["prompt"] for r in written] == users[:5]  # every answer received before the error, in order
     more = run(_cfg(tmp_path, server.url))
-    assert more["new"] == 5 and _records(tmp_path / "own.jsonl")[:4] == written
-    assert sorted(p["messages"][0]["content"] for p in server.posts()) == sorted(users[4:])  # no prompt twice
+    assert more["new"] == 4 and _records(tmp_path / "own.jsonl")[:5] == written
+    assert sorted(p["messages"][0]["content"] for p in server.posts()) == sorted(users[5:])  # no prompt twice
     run(_cfg(tmp_path, server.url, output="fresh.jsonl"))
     assert (tmp_path / "own.jsonl").read_text() == (tmp_path / "fresh.jsonl").read_text()
 
