@@ -11,6 +11,11 @@ Prompts are the first user turns of the data config's *training* split (never it
 exit reports measure on). Answers are decoded greedily with fastdecode's batched autoregressive decoder and
 written as a ``{"prompt", "response"}`` jsonl that ``data=jsonl data.path=...`` trains on. The file is
 written in chunks with atomic rewrites, so a killed run resumes where it stopped.
+
+At scale, ``server.url=http://HOST:PORT/v1`` asks an OpenAI-compatible server instead (``vllm serve``,
+SGLang, llama.cpp's server; ``fastdecode.data.openai_client``): the same prompts, greedy, ``server.concurrency``
+requests in flight, the same file in the same order, resumed the same way. The server is asked once
+(``/models``) before the tokenizer loads or any prompt is sent; the model's weights never load here.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import hydra
 from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, to_dataclass
-from fastdecode.data.chat import training_prompts
+from fastdecode.data.chat import training_prompts, user_prompt_text
 from fastdecode.data.config import DataConfig, check_data_files, check_trainable
+from fastdecode.data.openai_client import OpenAIClient, ServerConfig
 from fastdecode.io import atomic_write_text, check_writable
 from fastdecode_cli.launch import check_command_line, one_line_errors
 
@@ -42,6 +48,7 @@ class RegenerateJob:
     max_prompt_tokens: int = 256  # longer prompts are skipped (they would dominate a CPU batch)
     batch_size: int = 8
     output: str = "data/${data.name}-${model.name}.jsonl"
+    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)  # url None: in-process
 
 
 def _prompts(job: RegenerateJob, tokenizer: Any) -> list[tuple[str, list[int]]]:
@@ -70,6 +77,8 @@ def run(cfg: Any) -> dict:
     out = Path(job.output)
     check_writable(out.parent, option="output")  # before the model loads
     lines = _done(out)
+    if job.server.url is not None:
+        return _run_on_server(job, out, lines)
     model, tokenizer = load_model(job.model)
     prompts = _prompts(job, tokenizer)
     if len(lines) >= len(prompts):
@@ -87,6 +96,41 @@ def run(cfg: Any) -> dict:
         atomic_write_text(out, "\n".join(lines) + "\n")  # whole file each time: never half-written
         logger.info("regenerate: %d / %d answers", len(lines), len(prompts))
     return {"written": len(lines), "new": len(lines) - start, "output": str(out)}
+
+
+def _run_on_server(job: RegenerateJob, out: Path, lines: list[str]) -> dict:
+    """``run`` with the answers of the server ``job.server.url``: checked first, then the prompts after the
+    ``lines`` already written, the file rewritten whole every ``server.chunk`` answers and once more with
+    the answers received before an error (the run then resumes after them)."""
+    from fastdecode.assets import model_load_path
+    from fastdecode.loading import load_tokenizer
+
+    client = OpenAIClient(job.server)
+    served = client.check()  # an unreachable URL or an unserved model fails here, before any prompt
+    path = None if job.model.source == "random" else model_load_path(job.model)
+    tokenizer = load_tokenizer(job.model, path)  # the prompts and their lengths are those of in-process runs
+    prompts = _prompts(job, tokenizer)
+    start = len(lines)
+    todo = ((user, user_prompt_text(tokenizer, user)) for user, _ in prompts[start:])
+    logger.info(
+        "regenerate: %d prompts on %s (%s, %s)", len(prompts) - start, client.url, served, job.server.endpoint
+    )
+    written = start
+    try:
+        for answer, (user, _) in zip(client.answers(todo, job.max_new_tokens), prompts[start:], strict=False):
+            lines.append(json.dumps({"prompt": user, "response": answer}))
+            if (len(lines) - start) % job.server.chunk == 0:
+                written = _rewrite(out, lines, len(prompts))
+    finally:  # after the last answer, and before an error or an interrupt propagates: no answer is lost
+        if len(lines) > written:
+            _rewrite(out, lines, len(prompts))
+    return {"written": len(lines), "new": len(lines) - start, "output": str(out)}
+
+
+def _rewrite(out: Path, lines: list[str], total: int) -> int:
+    atomic_write_text(out, "\n".join(lines) + "\n")  # whole file each time: never half-written
+    logger.info("regenerate: %d / %d answers", len(lines), total)
+    return len(lines)
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="regenerate", version_base="1.3")

@@ -43,11 +43,16 @@ def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool = Fals
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
+def user_prompt_text(tokenizer: Any, user: str) -> str:
+    """The chat-templated text of a one-turn chat (``user`` says ``user``) ending with the assistant's
+    generation prompt: what a completion server is sent to continue exactly our prompt ids."""
+    return _render(tokenizer, [{"role": "user", "content": user}], generation_prompt=True)
+
+
 def user_prompt_ids(tokenizer: Any, user: str) -> list[int]:
     """Token ids of a one-turn chat (``user`` says ``user``) ending with the assistant's generation prompt:
     what the model continues when asked ``user`` (the template already holds any special tokens)."""
-    text = _render(tokenizer, [{"role": "user", "content": user}], generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer(user_prompt_text(tokenizer, user), add_special_tokens=False).input_ids
 
 
 def training_prompts(
