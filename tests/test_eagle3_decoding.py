@@ -4,11 +4,14 @@ chi-square test) and the checks on the head directory."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 
 import pytest
 import torch
 
+from fastdecode.acceptance import AcceptanceRecord, DrafterRecord, write_record
+from fastdecode.api import FastDecoder
 from fastdecode.config import ConfigError
 from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig
 from fastdecode.decoding.autoregressive import generate as autoregressive
@@ -183,3 +186,32 @@ def test_eagle3_refuses_a_missing_a_foreign_or_a_damaged_head(tmp_path):
         DECODERS["eagle3"](m, prompts, replace(cfg, drafter=str(damaged)))
     with pytest.raises(Eagle3FileError, match="no such file"):
         DECODERS["eagle3"](m, prompts, replace(cfg, drafter=str(tmp_path / "nowhere")))
+
+
+# --------------------------------------------------------------------------------------------------------
+# The library call and auto
+def test_generate_drafts_with_the_head_and_auto_plans_it_from_its_record(tmp_path):
+    """``generate(method="eagle3", drafter=PATH)`` is lossless; with ``<PATH>/acceptance.json`` recording the
+    head's acceptance, ``auto`` prices it (one head forward per drafted token) and runs it, chained after
+    prompt lookup."""
+    m = target("tiny-llama")
+    path = tmp_path / "head"
+    shutil.copytree(head_dir(m), path)
+    fd = FastDecoder(m.hf, tiny_model("tiny-llama")[1], m=m)
+    prompts = mixed_prompts(m)[:4]
+    ref = autoregressive(
+        m, prompts, DecodeConfig(max_new_tokens=12, eos_token_id=m.config.eos_token_id)
+    ).tokens
+    result = fd.generate(prompts, max_new_tokens=12, method="eagle3", drafter=str(path), costs="estimated")
+    assert result.ids == ref and result.method == "eagle3"
+    assert_drafted_and_accepted(result.output)
+    assert all(c.method != "eagle3" for c in fd.plan(1, costs="estimated", drafter=str(path)).candidates)
+    rounds = {1: 1.9, 2: 2.7, 3: 3.4, 4: 4.0}
+    write_record(path, AcceptanceRecord([DrafterRecord("eagle3", 0.9, tokens_per_round=rounds)]))
+    fd = FastDecoder(m.hf, tiny_model("tiny-llama")[1], m=m)  # a new one: plans are kept per decoder
+    plan = fd.plan(1, costs="estimated", drafter=str(path))
+    assert plan.best.method == "eagle3" and plan.best.options["drafter"] == str(path), plan
+    assert plan.best.options["chain"] is True
+    auto = fd.generate(prompts, max_new_tokens=12, method="auto", drafter=str(path), costs="estimated")
+    assert auto.ids == ref and auto.method == "eagle3"
+    assert auto.output.by_proposer["eagle3"][0] > 0

@@ -96,7 +96,7 @@ def build(s: Setup) -> Eagle3Proposer:
 
 def offers(p: PlanInputs) -> list[Offer]:
     """The head given with the model (``PlanInputs.drafter``) when its directory records its acceptance."""
-    if getattr(p, "drafter", None) is None:
+    if p.drafter is None:
         return []
     record = read_record(p.drafter)
     found = record.find(NAME) if record is not None else []
