@@ -16,6 +16,7 @@ from fastdecode.decoding.autoregressive import generate as autoregressive
 from fastdecode.eagle3 import Eagle3Config, Eagle3Head
 from fastdecode.eagle3_files import save_eagle3
 from fastdecode.model import EarlyExitModel
+from tests.helpers import tiny_model
 
 
 def target_batch(m: EarlyExitModel, ids: torch.Tensor, aux: list[int]) -> dict[str, torch.Tensor]:
@@ -78,3 +79,10 @@ def head_dir(m: EarlyExitModel, steps: int = 150) -> str:
     out = Path(tempfile.mkdtemp(prefix="fastdecode-eagle3-")) / "head"
     save_eagle3(head, head.config, out, verifier_name="tiny")
     return str(out)
+
+
+def random_head_dir(out: Path, name: str = "tiny-llama") -> str:
+    """A random-init head for the tiny model ``name``, saved in ``out/eagle3``: for checks of the files only."""
+    config = tiny_model(name)[0].config
+    head = Eagle3Head(Eagle3Config.from_target(config, draft_vocab_size=config.vocab_size))
+    return str(save_eagle3(head, head.config, out / "eagle3", verifier_name=name))

@@ -12,11 +12,14 @@ import torch
 
 from fastdecode.acceptance import AcceptanceRecord, DrafterRecord, write_record
 from fastdecode.api import FastDecoder
+from fastdecode.bench.config import plan as speed_plan
 from fastdecode.config import ConfigError
+from fastdecode.cost import estimate_costs
 from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig
+from fastdecode.decoding import eagle3 as eagle3_kind
 from fastdecode.decoding.autoregressive import generate as autoregressive
 from fastdecode.decoding.common import Rows, prefill
-from fastdecode.decoding.eagle3 import load_head
+from fastdecode.decoding.eagle3 import head_token_cost, load_head
 from fastdecode.decoding.eagle3_proposer import Eagle3Proposer
 from fastdecode.decoding.policies import POLICIES as POLICY_CLASSES
 from fastdecode.decoding.speculative import Draft, Round, verify
@@ -25,7 +28,7 @@ from fastdecode.eagle3_files import WEIGHTS_FILE, Eagle3FileError, save_eagle3
 from fastdecode.eagle3_layer import Eagle3KV
 from fastdecode.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
-from tests.eagle3_heads import head_dir, target_batch, train_head, training_sequences
+from tests.eagle3_heads import head_dir, random_head_dir, target_batch, train_head, training_sequences
 from tests.helpers import (
     assert_drafted_and_accepted,
     exact_joint,
@@ -35,6 +38,7 @@ from tests.helpers import (
     tiny_model,
     tiny_vocab_model,
 )
+from tests.job_configs import speed_cfg
 
 
 def target(name: str) -> EarlyExitModel:
@@ -215,3 +219,38 @@ def test_generate_drafts_with_the_head_and_auto_plans_it_from_its_record(tmp_pat
     auto = fd.generate(prompts, max_new_tokens=12, method="auto", drafter=str(path), costs="estimated")
     assert auto.ids == ref and auto.method == "eagle3"
     assert auto.output.by_proposer["eagle3"][0] > 0
+
+
+def test_a_drafted_token_costs_one_head_forward_timed_once_per_head_shape(monkeypatch):
+    m = target("tiny-llama")
+    head = load_head(head_dir(m), m)
+    estimated = estimate_costs(m)
+    by_weights = head_token_cost(estimated, m, head)
+    assert estimated.layers(1) < by_weights < 1.0  # more than a block of the target (fc + layer), < a step
+    calls = []
+
+    def timer(name, fn, device):
+        fn()
+        calls.append(name)
+        return 0.002
+
+    monkeypatch.setattr(eagle3_kind, "timed", timer)
+    measured = replace(estimated, source="measured", step_seconds=0.01, batch=3)
+    assert head_token_cost(measured, m, head) == pytest.approx(0.2)
+    assert len(calls) == eagle3_kind.HEAD_REPEATS + 1
+    assert head_token_cost(measured, m, head) == pytest.approx(0.2) and len(calls) == 8  # kept on the model
+    proposer = Eagle3Proposer(m, head, DecodeConfig(max_new_tokens=4), torch.Generator(), costs=measured)
+    proposer.head_cost = 0.2
+    # each round: the drafts, the verification, and one more head pass (the row of the verifier's token)
+    assert proposer.round_cost(3) == pytest.approx(3 * 0.2 + measured.verify(4) + 0.2)
+
+
+def test_the_speed_benchmark_hands_its_drafter_to_the_eagle3_method(tmp_path):
+    base = ("decoder=[eagle3]", "model=tiny-llama", "baseline=null", "hf_baseline=null")
+    with pytest.raises(ConfigError, match="pass drafter=PATH"):
+        speed_plan(speed_cfg(*base))
+    path = random_head_dir(tmp_path)
+    _, methods, _ = speed_plan(speed_cfg(*base, f"drafter={path}"))
+    assert methods[0].options["drafter"] == path
+    with pytest.raises(Eagle3FileError, match="no such file"):  # before any model loads
+        speed_plan(speed_cfg(*base, f"drafter={tmp_path / 'nowhere'}"))

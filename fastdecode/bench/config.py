@@ -250,6 +250,10 @@ def _method(
             if given is None:
                 raise ConfigError(f"method '{name}' {missing}")
             options[key] = given
+    if options.get("drafter") is not None:
+        from fastdecode.eagle3_files import read_eagle3_config
+
+        read_eagle3_config(options["drafter"])  # a missing or foreign head directory fails here
     if options.get("adapter") is not None:
         from fastdecode.exit_adapter import read_meta
 

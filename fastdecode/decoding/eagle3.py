@@ -17,18 +17,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from fastdecode.acceptance import read_record
 from fastdecode.config import ConfigError
-from fastdecode.cost import CostModel, block_parameters
+from fastdecode.cost import PROBE_CONTEXT, CostModel, block_parameters, timed
 from fastdecode.decoding.common import DecodeConfig
 from fastdecode.decoding.drafters import Offer, PlanInputs, ProposerKind, Setup
 from fastdecode.decoding.eagle3_proposer import Eagle3Proposer
-from fastdecode.eagle3 import Eagle3Config, Eagle3Head
+from fastdecode.eagle3 import FEATURES, Eagle3Config, Eagle3Head
 from fastdecode.eagle3_files import CONFIG_FILE, WEIGHTS_FILE, load_eagle3, read_eagle3_config
+from fastdecode.eagle3_layer import Eagle3KV
 from fastdecode.file_cache import FileCache
 from fastdecode.model import EarlyExitModel
 
 NAME = "eagle3"
+HEAD_REPEATS = 7  # timings of a drafted token; the least disturbed one counts
 _LOADED = FileCache(maxsize=4)  # per model (owner), head files' version, device and dtype
 
 
@@ -79,12 +83,49 @@ def load_head(path: str, m: EarlyExitModel) -> Eagle3Head:
 
 
 def head_token_cost(costs: CostModel, m: EarlyExitModel, head: Eagle3Head) -> float:
-    """One head forward, in plain decoding steps: its layer and ``fc`` as blocks of the target by weights
-    read, and its ``lm_head`` over the draft vocabulary as part of the target's head."""
+    """One drafted token (a head forward, its draft-vocabulary softmax and argmax), in plain decoding steps:
+    timed on the model with a measured cost model (``measure_head``), else by weights read: the layer and
+    ``fc`` as blocks of the target, the ``lm_head`` as the target's head over the draft vocabulary's rows."""
+    if costs.source == "measured" and costs.step_seconds:
+        return measure_head(m, head, batch=costs.batch) / costs.step_seconds
     layer = sum(p.numel() for name, p in head.named_parameters() if not name.startswith("lm_head"))
     return costs.draft_token(
         0, head_rows=head.config.draft_vocab_size, extra_blocks=layer / block_parameters(m)
     )
+
+
+@torch.inference_mode()
+def measure_head(
+    m: EarlyExitModel, head: Eagle3Head, *, batch: int = 1, repeats: int = HEAD_REPEATS
+) -> float:
+    """Seconds of one drafted token of ``head`` on ``batch`` rows attending to ``PROBE_CONTEXT`` cached head
+    rows: the least of ``repeats`` timings after an untimed one. Kept on the model per head shape, dtype,
+    batch, thread count and device (what it depends on: the weights' values do not change it)."""
+    cfg = head.config
+    key = (
+        "eagle3_draft",
+        repr(cfg),
+        str(head.fc.weight.dtype),
+        batch,
+        torch.get_num_threads(),
+        str(m.device),
+    )
+    if key not in m.measurements:
+        device, dtype, context = head.fc.weight.device, head.fc.weight.dtype, PROBE_CONTEXT
+        features = torch.randn(batch, context, FEATURES * cfg.target_hidden_size, device=device, dtype=dtype)
+        embeds = torch.randn(batch, context + 1, cfg.hidden_size, device=device, dtype=dtype)
+        positions = torch.arange(context + 1, device=device)[None].expand(batch, -1)
+        kv = Eagle3KV()
+        _, hidden = head(embeds[:, :context], features, positions[:, :context], kv)
+
+        def draft() -> None:
+            logits, _ = head(embeds[:, context:], hidden[:, -1:], positions[:, context:], kv)
+            kv.crop(context)
+            logits.softmax(-1).argmax(-1)
+
+        seconds = [timed(("eagle3_draft",), draft, device) for _ in range(repeats + 1)]
+        m.measurements[key] = min(seconds[1:])
+    return m.measurements[key]
 
 
 def build(s: Setup) -> Eagle3Proposer:
