@@ -30,6 +30,7 @@ import torch
 
 from fastdecode.cost import CostModel
 from fastdecode.decoding.common import DecodeConfig, Prefill, left_pad
+from fastdecode.decoding.policies import LaggedFlag
 from fastdecode.decoding.proposers import Proposer, one_hot, pick_token
 from fastdecode.decoding.speculative import Draft, Round, Verdict, run_capturing
 from fastdecode.eagle3 import Eagle3Head
@@ -62,6 +63,7 @@ class Eagle3Proposer(Proposer):
         self.valid = torch.zeros(0, 0, dtype=torch.bool, device=m.device)  # [B, slots]: rows that exist
         self.prev: torch.Tensor | None = None  # [B, F*H]: features of the token before each row's last
         self.retired = False
+        self.flag = LaggedFlag(m.device)
 
     # -- the head's rows ----------------------------------------------------------------------------------
     def rows(
@@ -106,11 +108,19 @@ class Eagle3Proposer(Proposer):
 
     # -- drafting -----------------------------------------------------------------------------------------
     def propose(self, r: Round) -> Draft:
+        """Drafts up to ``r.limit`` tokens; a dynamic policy's stop flag is read one token late (``LaggedFlag``,
+        after the next row's pass was launched: no stall)."""
         logits, hidden = self.last_row(r)
-        base, cfg, policy = len(self.kv), self.cfg, self.policy
+        base, cfg, policy, flag = len(self.kv), self.cfg, self.policy, self.flag
         tokens, probs, passes = [], [], 2  # the row of t, and next round's catch-up pass (``update``)
         on = torch.ones_like(r.active)[:, None]
+        flag.reset()
         for i in range(r.limit):
+            if i:  # the row of the token just drafted, on the head's own hidden state
+                logits, hidden = self.rows(tokens[-1][:, None], hidden, (r.positions + i)[:, None], on)
+                passes += 1
+                if not flag.read():
+                    break
             token, q, confidence = pick_token(
                 logits[:, -1],
                 cfg,
@@ -121,10 +131,8 @@ class Eagle3Proposer(Proposer):
             )
             tokens.append(token)
             probs.append(q)
-            if i + 1 == r.limit or (policy.dynamic and not bool(policy.keep_drafting(confidence, r.active))):
-                break
-            logits, hidden = self.rows(token[:, None], hidden, (r.positions + 1 + i)[:, None], on)
-            passes += 1
+            if policy.dynamic:
+                flag.push(policy.keep_drafting(confidence, r.active))
         self.crop(base)
         batch, live = r.last.shape[0], int(r.active.sum())
         drafted = torch.stack(tokens, 1) if tokens else r.last.new_zeros(batch, 0)
