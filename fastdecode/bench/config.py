@@ -231,6 +231,20 @@ def _method(
             f"method '{name}' needs a draft model: pass draft_model=NAME (a configs/model option) or a path."
         )
     used_exit = options.get(exit_key)
+    _drafter_files(name, spec, options, adapter, drafter)
+    if options.get("adapter") is not None:
+        from fastdecode.exit_adapter import read_meta
+
+        used_exit = used_exit or read_meta(options["adapter"])["exit_layer"]  # a missing adapter fails here
+    check_options(name, spec, options)
+    return Method(name, spec, options, used_exit)
+
+
+def _drafter_files(
+    name: str, spec: MethodConfig, options: dict, adapter: str | None, drafter: str | None
+) -> None:
+    """Put the job's exit adapter and EAGLE-3 head into ``options`` for the methods that draft with them
+    (unless the options fix one); a missing one, or a head directory that cannot be read, fails here."""
     needs = {
         "adapter": (
             spec.uses_adapter,
@@ -245,7 +259,7 @@ def _method(
             "fastdecode.eagle3_files.save_eagle3 or a speculators / SpecForge checkpoint).",
         ),
     }
-    for key, (used, given, missing) in needs.items():  # the job's drafter files, unless options fix one
+    for key, (used, given, missing) in needs.items():
         if used and options.get(key) is None:
             if given is None:
                 raise ConfigError(f"method '{name}' {missing}")
@@ -253,13 +267,7 @@ def _method(
     if options.get("drafter") is not None:
         from fastdecode.eagle3_files import read_eagle3_config
 
-        read_eagle3_config(options["drafter"])  # a missing or foreign head directory fails here
-    if options.get("adapter") is not None:
-        from fastdecode.exit_adapter import read_meta
-
-        used_exit = used_exit or read_meta(options["adapter"])["exit_layer"]  # a missing adapter fails here
-    check_options(name, spec, options)
-    return Method(name, spec, options, used_exit)
+        read_eagle3_config(options["drafter"])
 
 
 def check_options(name: str, spec: MethodConfig, options: dict) -> None:
