@@ -15,7 +15,7 @@ from fastdecode.api import FastDecoder
 from fastdecode.bench.config import plan as speed_plan
 from fastdecode.config import ConfigError
 from fastdecode.cost import estimate_costs
-from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig
+from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig, LookupOptions
 from fastdecode.decoding import eagle3 as eagle3_kind
 from fastdecode.decoding.autoregressive import generate as autoregressive
 from fastdecode.decoding.common import Rows, prefill
@@ -108,7 +108,8 @@ def test_eagle3_greedy_equals_autoregressive(name):
     """Every policy; 12 ragged prompts batched, 3 batched, 2 alone; drafts accepted and rejected."""
     m = target(name)
     path, prompts = head_dir(m), mixed_prompts(m)
-    base = DecodeConfig(max_new_tokens=20, draft_tokens=4, costs="estimated", drafter=path)
+    eos = m.config.eos_token_id
+    base = DecodeConfig(max_new_tokens=20, draft_tokens=4, costs="estimated", drafter=path, eos_token_id=eos)
     ref = autoregressive(m, prompts, replace(base, **REFERENCE)).tokens
     for policy in POLICIES:
         cfg = replace(base, policy=policy)
@@ -140,18 +141,17 @@ def test_eagle3_and_its_chain_on_every_execution_path(engine):
             assert out.by_proposer["eagle3"][0] > 0, out.by_proposer
 
 
-def test_eagle3_sampling_matches_the_target_distribution(tmp_path):
+@pytest.mark.parametrize("chain", [False, True])
+def test_eagle3_sampling_matches_the_target_distribution(tmp_path, chain):
     """4000 rows of one prompt, 4 new tokens: drafts drawn from the head's distribution over its draft
-    vocabulary (6 of the 8 tokens) are accepted by the lossless rule; every adjacent pair's distribution
-    matches the target's exactly computed one."""
+    vocabulary (6 of the 8 tokens) are accepted by the lossless rule (in a chain, rows the lookup matches
+    draft its tokens, q one-hot); every adjacent pair's distribution matches the target's exactly computed
+    one."""
     m = tiny_vocab_model()
     cfg_head = Eagle3Config.from_target(m.config, draft_vocab_size=6, aux_layer_ids=[0, 1, 2])
-    head = Eagle3Head(cfg_head)
-    head.set_draft_vocab([0, 1, 2, 3, 5, 7])
     torch.manual_seed(0)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.mul_(3.0)  # a confident head: its q differs from p, so the residual path is taken
+    head = Eagle3Head(cfg_head)  # random: its q is far from p and far from one-hot
+    head.set_draft_vocab([0, 1, 2, 3, 5, 7])
     save_eagle3(head, cfg_head, tmp_path / "head", verifier_name="tiny")
     prompt, samples = [3, 1, 4, 1, 5], 4000
     cfg = DecodeConfig(
@@ -161,11 +161,15 @@ def test_eagle3_sampling_matches_the_target_distribution(tmp_path):
         seed=3,
         costs="estimated",
         drafter=str(tmp_path / "head"),
+        chain=chain,
+        lookup=LookupOptions(fallback_trial=0),  # never retired
     )
     joint = exact_joint(m, prompt, 4, cfg)
     out = DECODERS["eagle3"](m, [prompt] * samples, cfg)
     accepted, drafted = sum(out.accepted), sum(out.drafted)
     assert accepted > 100 and drafted - accepted > 100  # both the accept and the residual paths were taken
+    if chain:
+        assert out.by_proposer["eagle3"][1] > 100 and out.by_proposer["prompt_lookup"][1] > 100
     assert min(pair_pvalues(out.tokens, joint)) > 1e-3
 
 
