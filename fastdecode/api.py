@@ -38,6 +38,7 @@ from fastdecode.decoding import DecodeConfig, DecodeOutput, get_decoder
 from fastdecode.decoding.chain import Books, carrying
 from fastdecode.decoding.common import configure_engine, streaming
 from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE
+from fastdecode.eagle3_files import read_eagle3_config
 from fastdecode.exit_adapter import CHECKPOINT_DIR, META_FILE
 from fastdecode.inputs import prompt_ids
 from fastdecode.loading import load_model
@@ -144,6 +145,8 @@ def from_pretrained(
     skip_file = trained_policy_file(directory, skip_file)  # a bad file fails before the weights load
     trained_skip = read_trained_policy(skip_file) if skip_file else None
     record = read_record(directory)  # so does a damaged acceptance record
+    if drafter is not None:
+        read_eagle3_config(drafter)  # and a missing or damaged EAGLE-3 head directory
     model, tokenizer = load_model(cfg)
     return FastDecoder(
         model,

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from fastdecode import api
 from fastdecode.acceptance import AcceptanceRecord, DrafterRecord, write_record
 from fastdecode.api import FastDecoder
 from fastdecode.bench.config import plan as speed_plan
@@ -175,7 +176,7 @@ def test_eagle3_sampling_matches_the_target_distribution(tmp_path, chain):
 
 # --------------------------------------------------------------------------------------------------------
 # Bad input
-def test_eagle3_refuses_a_missing_a_foreign_or_a_damaged_head(tmp_path):
+def test_eagle3_refuses_a_missing_a_foreign_or_a_damaged_head(tmp_path, monkeypatch):
     m = target("tiny-llama")
     prompts = [[5, 6, 7]]
     cfg = DecodeConfig(max_new_tokens=4)
@@ -194,6 +195,13 @@ def test_eagle3_refuses_a_missing_a_foreign_or_a_damaged_head(tmp_path):
         DECODERS["eagle3"](m, prompts, replace(cfg, drafter=str(damaged)))
     with pytest.raises(Eagle3FileError, match="no such file"):
         DECODERS["eagle3"](m, prompts, replace(cfg, drafter=str(tmp_path / "nowhere")))
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights loaded before the head directory was checked")
+
+    monkeypatch.setattr(api, "load_model", no_load)
+    with pytest.raises(Eagle3FileError, match="no such file"):
+        api.from_pretrained("tiny-llama", device="cpu", drafter=str(tmp_path / "nowhere"))
 
 
 # --------------------------------------------------------------------------------------------------------
