@@ -134,11 +134,13 @@ def test_eagle3_and_its_chain_on_every_execution_path(engine):
     path, prompts = head_dir(m), mixed_prompts(m)
     base = DecodeConfig(max_new_tokens=16, draft_tokens=3, costs="estimated", drafter=path, **ENGINES[engine])
     ref = autoregressive(m, prompts, replace(base, **REFERENCE)).tokens
-    for chain in (False, True):
-        out = DECODERS["eagle3"](m, prompts, replace(base, chain=chain))
-        assert out.tokens == ref, chain
-        assert_drafted_and_accepted(out, chain)
-        if chain:  # the head's own drafts were accepted in the chain, beside the lookup's
+    for chain, trial in ((False, 16), (True, 0), (True, 1)):  # alone, a chain never retired, one retired
+        out = DECODERS["eagle3"](
+            m, prompts, replace(base, chain=chain, lookup=LookupOptions(fallback_trial=trial))
+        )
+        assert out.tokens == ref, (chain, trial)
+        assert_drafted_and_accepted(out, chain, trial)
+        if chain and not trial:  # the head's own drafts were accepted in the chain, beside the lookup's
             assert out.by_proposer["eagle3"][0] > 0, out.by_proposer
 
 

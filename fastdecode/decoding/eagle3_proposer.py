@@ -94,7 +94,7 @@ class Eagle3Proposer(Proposer):
         hidden, features = run_capturing(
             m, m.embed(ids, positions), 0, positions, cache, layers=self.feature_layers
         )
-        self.kv, self.valid, self.retired = Eagle3KV(), valid[:, :0], False
+        self.kv, self.valid = Eagle3KV(), valid[:, :0]  # (a chain may have retired it already: kept)
         before = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)  # features at p - 1
         self.rows(ids, before, positions, valid & (positions > 0))
         self.prev = features[:, -1]
