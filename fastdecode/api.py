@@ -38,6 +38,7 @@ from fastdecode.decoding import DecodeConfig, DecodeOutput, get_decoder
 from fastdecode.decoding.chain import Books, carrying
 from fastdecode.decoding.common import configure_engine, streaming
 from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE
+from fastdecode.eagle3_files import read_eagle3_config
 from fastdecode.exit_adapter import CHECKPOINT_DIR, META_FILE
 from fastdecode.inputs import prompt_ids
 from fastdecode.loading import load_model
@@ -132,16 +133,20 @@ def from_pretrained(
     dtype: str = "auto",
     adapter: str | None = None,
     skip_file: str | None = "auto",
+    drafter: str | None = None,
 ) -> FastDecoder:
     """Load ``source`` (a checkpoint directory, a hub id, a ``configs/model`` name or a ``ModelConfig``) and
     its tokenizer; ``adapter``: an exit adapter directory (default: ``exit_adapter/`` inside the directory);
     ``skip_file``: the ``skipdecode.json`` whose SkipDecode policy ``method="skipdecode"`` keeps to
-    (``"auto"``: the directory's own, when it has one; None: none, the options alone)."""
+    (``"auto"``: the directory's own, when it has one; None: none, the options alone); ``drafter``: an EAGLE-3
+    head directory (``method="eagle3"``'s default, and planned by ``auto`` when it records its acceptance)."""
     cfg, directory = _model_config(source, device=device, dtype=dtype)
     recommended_exit(directory)  # a recorded exit that is no layer of the model fails before the weights load
     skip_file = trained_policy_file(directory, skip_file)  # a bad file fails before the weights load
     trained_skip = read_trained_policy(skip_file) if skip_file else None
     record = read_record(directory)  # so does a damaged acceptance record
+    if drafter is not None:
+        read_eagle3_config(drafter)  # and a missing or damaged EAGLE-3 head directory
     model, tokenizer = load_model(cfg)
     return FastDecoder(
         model,
@@ -152,6 +157,7 @@ def from_pretrained(
         skip_file=skip_file,
         trained_skip=trained_skip,
         record=record,
+        drafter=drafter,
     )
 
 
@@ -170,12 +176,16 @@ class FastDecoder:
         trained_skip: SkipOptions | None = None,
         record: AcceptanceRecord | None = None,
         m: EarlyExitModel | None = None,
+        drafter: str | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.m = m if m is not None else EarlyExitModel(model)  # ``m``: share one wrapper (its engine, costs)
         self.directory = directory
         self.defaults = _checkpoint_defaults(directory, adapter, recommended)
         self.adapter = self.defaults["self_speculative"].get("adapter")
+        self.drafter = drafter  # an EAGLE-3 head directory (decoder 'eagle3')
+        if drafter is not None:
+            self.defaults["eagle3"] = {"drafter": drafter}
         self.record = record if record is not None else read_record(directory)
         # the SkipDecode policy the checkpoint was trained with (``skip_file``), kept to by ``skipdecode``
         self.skip_file, self.trained_skip = skip_file, trained_skip
@@ -187,14 +197,18 @@ class FastDecoder:
         (``fastdecode.choose.plan_decoding``), for batches of ``batch`` rows on the execution engine that
         ``engine`` selects (``DecodeConfig``'s engine fields and ``costs``; default: the device's). One plan
         per engine, thread count and batch size; the cost model is measured once per machine and kept on
-        disk (``fastdecode/cost_store.py``)."""
+        disk (``fastdecode/cost_store.py``). ``drafter``: an EAGLE-3 head to plan with (default: the one
+        given at load)."""
         cfg = to_dataclass(DecodeConfig, {"max_new_tokens": 1} | engine, "plan()")
+        drafter = cfg.drafter or self.drafter
         configure_engine(self.m, cfg)
         engine_options = None if self.m.engine is None else self.m.engine.options
-        key = (engine_options, torch.get_num_threads(), cost_batch(batch), cfg.costs)
+        key = (engine_options, torch.get_num_threads(), cost_batch(batch), cfg.costs, drafter)
         if key not in self._plans:
             costs = cost_model(self.m, cfg.costs, batch=batch)
-            self._plans[key] = plan_decoding(self.m, costs, record=self.record, adapter=self.adapter)
+            self._plans[key] = plan_decoding(
+                self.m, costs, record=self.record, adapter=self.adapter, drafter=drafter
+            )
         return self._plans[key]
 
     def generate(
@@ -221,6 +235,7 @@ class FastDecoder:
         candidate = None
         if method == AUTO and not {"exit_layer", "assistant_early_exit", "adapter"} & set(options):
             engine = {k: v for k, v in options.items() if k not in PLAN_OWNED and k in ENGINE_FIELDS}
+            engine |= {"drafter": options["drafter"]} if options.get("drafter") else {}
             candidate = self.plan(len(prompts), **engine).best
             method, options = candidate.method, candidate.options | options
         elif method == AUTO:  # an exit or adapter given by hand: draft there

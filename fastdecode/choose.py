@@ -213,14 +213,16 @@ def plan_decoding(
     *,
     record: AcceptanceRecord | None = None,
     adapter: str | None = None,
+    drafter: str | None = None,
 ) -> Plan:
     """The lossless decoders expected to pay on ``m`` (see the module docstring), best first.
 
     ``record``: what the checkpoint records (``fastdecode.acceptance.read_record``); ``adapter``: an exit
-    adapter directory given with the model (its own record beside it). ``costs``: the cost model at the
+    adapter directory given with the model (its own record beside it); ``drafter``: an EAGLE-3 head directory
+    (its ``acceptance.json`` beside it). ``costs``: the cost model at the
     batch size the plan is for.
     """
-    inputs = PlanInputs(m, costs, record, adapter)
+    inputs = PlanInputs(m, costs, record, adapter, drafter)
     offers = [(kind, offer) for kind in PROPOSERS.values() if kind.offers for offer in kind.offers(inputs)]
     plan = Plan([_lookup(costs)])
     _priced(offers, costs, plan)

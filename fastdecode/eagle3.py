@@ -130,7 +130,7 @@ class Eagle3Config:
             num_attention_heads=config.num_attention_heads,
             num_key_value_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim=getattr(config, "head_dim", None) or hidden // config.num_attention_heads,
-            intermediate_size=config.intermediate_size,
+            intermediate_size=getattr(config, "intermediate_size", None) or config.ffn_dim,  # OPT: ffn_dim
             vocab_size=config.vocab_size,
             draft_vocab_size=draft_vocab_size,
             aux_layer_ids=ids,

@@ -299,6 +299,13 @@ def _check_weights(head: Eagle3Head, state: dict[str, torch.Tensor], path: Path)
         )
 
 
+def read_eagle3_config(path: str | os.PathLike) -> Eagle3Config:
+    """The configuration of the head saved in ``path`` (either dialect), read without its weights: what a
+    decoder checks against its target before anything loads."""
+    folder = Path(path)
+    return config_from_files(_read_config(folder), folder / CONFIG_FILE)
+
+
 def load_eagle3(path: str | os.PathLike) -> tuple[Eagle3Head, Eagle3Config]:
     """The head saved in ``path``, in either dialect (``save_eagle3``'s directory, its ``sglang/``
     subfolder, or a checkpoint of speculators or SpecForge), in the dtype of its weights."""

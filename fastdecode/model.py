@@ -173,13 +173,17 @@ class EarlyExitModel:
     # The four operations
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Token (+ learned position) embeddings: ``[B, T]`` ids and positions -> ``[B, T, H]``."""
-        h = self._embed_tokens(input_ids)
-        if self._project_in is not None:
-            h = self._project_in(h)
+        h = self.token_embed(input_ids)
         if self._embed_positions is not None:
             # OPT's learned positions: the module adds its own offset when given explicit position ids.
             h = h + self._embed_positions(None, 0, position_ids=position_ids).to(h.dtype)
         return h
+
+    def token_embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The plain token embedding ``[B, T]`` ids -> ``[B, T, H]`` (after OPT's input projection, without
+        learned positions): what an EAGLE-3 head reads beside the target's features."""
+        h = self._embed_tokens(input_ids)
+        return h if self._project_in is None else self._project_in(h)
 
     def run_layers(
         self,

@@ -16,6 +16,7 @@ from fastdecode.bench.stats import Record, oracle_report, summarise, token_match
 from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
 from fastdecode.data.config import DataConfig
 from fastdecode.decoding import DECODERS, DecodeConfig, DecodeOutput, JacobiOptions, SkipOptions
+from tests.eagle3_heads import random_head_dir
 from tests.helpers import lively_model, random_prompts, tiny_llama_adapter, tiny_model
 from tests.job_configs import LIVELY, speed_cfg, tiny_speed_cfg
 
@@ -30,6 +31,7 @@ def test_every_decoder_option_composes_and_plans(name, tmp_path):
         "baseline=null",
         "hf_baseline=null",
         f"adapter={tiny_llama_adapter(tmp_path, 2)}",
+        f"drafter={random_head_dir(tmp_path)}",
     )
     assert list(cfg.decoder) == [name]  # each file is keyed by its own name
     spec = to_dataclass(MethodConfig, cfg.decoder[name], f"decoder.{name}")

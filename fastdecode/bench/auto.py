@@ -135,6 +135,7 @@ def auto_decoder(job: SpeedJob, m: EarlyExitModel, tokenizer: Any) -> FastDecode
         directory=None,
         adapter=resolve_adapter_path(job),
         record=read_record(job.checkpoint),
+        drafter=job.drafter,
         m=m,
     )
 

@@ -11,7 +11,8 @@ A *method* is one entry of the ``decoder`` group (``configs/decoder/<name>.yaml`
 
 ``uses_exit_layer`` injects the job's exit layer E (``decoder.exit_layer`` for ours, ``assistant_early_exit`` for
 HF) unless ``options`` fixes one; ``uses_adapter`` injects the job's exit adapter (``adapter=PATH``, or the
-``exit_adapter/`` inside ``checkpoint``) as ``decoder.adapter``, whose E it reports; ``uses_draft`` passes the
+``exit_adapter/`` inside ``checkpoint``) as ``decoder.adapter``, whose E it reports; ``uses_drafter`` injects the
+job's EAGLE-3 head (``drafter=PATH``) as ``decoder.drafter``; ``uses_draft`` passes the
 draft model (``draft=`` / ``assistant_model=``);
 ``max_batch_size`` skips larger batches with a recorded reason (HF assisted generation is batch-1 only), and
 ``sampling: false`` skips temperatures > 0 (greedy-only methods such as Jacobi decoding).
@@ -61,6 +62,7 @@ class MethodConfig:
     decoder: str | None = None
     uses_exit_layer: bool = False
     uses_adapter: bool = False
+    uses_drafter: bool = False  # an EAGLE-3 head directory: the job's ``drafter`` as ``decoder.drafter``
     uses_draft: bool = False
     max_batch_size: int | None = None
     sampling: bool = True  # false: greedy only (e.g. jacobi); skipped at temperature > 0 with the reason
@@ -89,6 +91,7 @@ class SpeedJob:
     draft_model: str | None = None
     exit_layer: int | None = None
     adapter: str | None = None
+    drafter: str | None = None  # an EAGLE-3 head directory, for uses_drafter methods (decoder 'eagle3')
     n_prompts: int | None = 8  # None: every prompt of the set
     prompt_split: str = "auto"
     max_prompt_tokens: int = 1024
@@ -200,6 +203,8 @@ def _method(
     exit_layer: int | None,
     draft: bool,
     adapter: str | None = None,
+    *,
+    drafter: str | None = None,
 ) -> Method:
     spec = to_dataclass(MethodConfig, node, f"decoder.{name}")
     if spec.engine not in ENGINES:
@@ -226,19 +231,43 @@ def _method(
             f"method '{name}' needs a draft model: pass draft_model=NAME (a configs/model option) or a path."
         )
     used_exit = options.get(exit_key)
-    if spec.uses_adapter and options.get("adapter") is None:
-        if adapter is None:
-            raise ConfigError(
-                f"method '{name}' drafts through an exit adapter and none is set: pass adapter=PATH (a "
-                "directory written by `python train.py recipe=exit_adapter`, e.g. outputs/<run>/final)."
-            )
-        options["adapter"] = adapter
+    _drafter_files(name, spec, options, adapter, drafter)
     if options.get("adapter") is not None:
         from fastdecode.exit_adapter import read_meta
 
         used_exit = used_exit or read_meta(options["adapter"])["exit_layer"]  # a missing adapter fails here
     check_options(name, spec, options)
     return Method(name, spec, options, used_exit)
+
+
+def _drafter_files(
+    name: str, spec: MethodConfig, options: dict, adapter: str | None, drafter: str | None
+) -> None:
+    """Put the job's exit adapter and EAGLE-3 head into ``options`` for the methods that draft with them
+    (unless the options fix one); a missing one, or a head directory that cannot be read, fails here."""
+    needs = {
+        "adapter": (
+            spec.uses_adapter,
+            adapter,
+            "drafts through an exit adapter and none is set: pass adapter=PATH (a directory written by "
+            "`python train.py recipe=exit_adapter`, e.g. outputs/<run>/final).",
+        ),
+        "drafter": (
+            spec.uses_drafter,
+            drafter,
+            "drafts with an EAGLE-3 head and none is set: pass drafter=PATH (the head's directory, "
+            "fastdecode.eagle3_files.save_eagle3 or a speculators / SpecForge checkpoint).",
+        ),
+    }
+    for key, (used, given, missing) in needs.items():
+        if used and options.get(key) is None:
+            if given is None:
+                raise ConfigError(f"method '{name}' {missing}")
+            options[key] = given
+    if options.get("drafter") is not None:
+        from fastdecode.eagle3_files import read_eagle3_config
+
+        read_eagle3_config(options["drafter"])
 
 
 def check_options(name: str, spec: MethodConfig, options: dict) -> None:
@@ -324,10 +353,15 @@ def plan(cfg: Any) -> tuple[SpeedJob, list[Method], str]:
     adapter = resolve_adapter_path(job)
     if job.mode == "sweep":
         selected = [n for n in job.decoder if n in (job.baseline, job.hf_baseline)]
-        methods = [_method(n, job.decoder[n], exit_layer, draft, adapter) for n in selected]
+        methods = [
+            _method(n, job.decoder[n], exit_layer, draft, adapter, drafter=job.drafter) for n in selected
+        ]
         methods = _sweep_methods(job, methods, draft)
     else:
-        methods = [_method(name, node, exit_layer, draft, adapter) for name, node in job.decoder.items()]
+        methods = [
+            _method(name, node, exit_layer, draft, adapter, drafter=job.drafter)
+            for name, node in job.decoder.items()
+        ]
     names = [m.name for m in methods]
     for key in ("baseline", "hf_baseline"):
         value = getattr(job, key)

@@ -20,6 +20,7 @@ from fastdecode.config import unknown_name_error
 from fastdecode.decoding import (
     assisted,
     autoregressive,
+    eagle3,
     jacobi,
     lookahead,
     prompt_lookup,
@@ -50,6 +51,7 @@ PROPOSERS: dict[str, ProposerKind] = {
     "assisted": assisted.KIND,
     "prompt_lookup": prompt_lookup.KIND,
     "lookahead": lookahead.KIND,
+    "eagle3": eagle3.KIND,
 }
 
 # Every decoding strategy by name: the ones that are not speculation, one per module, then each proposer kind.

@@ -95,6 +95,7 @@ class ChainProposer(Proposer):
         self.lookup, self.fallback = lookup, fallback
         self.name = f"prompt_lookup+{fallback.name}"
         self.costs, self.vocab = fallback.costs, fallback.vocab
+        self.feature_layers = fallback.feature_layers  # the verification hands them to the fallback
         self.judge_after = judge_after
         self.books = Books() if books is None else books.carried()
         self.retired = False

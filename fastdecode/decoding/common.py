@@ -54,6 +54,7 @@ class DecodeConfig:
     seed: int = 0
     draft_vocab: str | None = None
     adapter: str | None = None
+    drafter: str | None = None  # an EAGLE-3 head directory (decoder 'eagle3', fastdecode/eagle3_files.py)
     # options only one decoder reads, nested under its name (fastdecode/decoding/options.py)
     skip: SkipOptions = field(default_factory=SkipOptions)
     jacobi: JacobiOptions = field(default_factory=JacobiOptions)
@@ -195,8 +196,7 @@ def configure_engine(m: EarlyExitModel, cfg: DecodeConfig) -> None:
 
 
 def check(cfg: DecodeConfig, m: EarlyExitModel, prompts: list[list[int]] | None = None) -> None:
-    """Validate ``cfg`` (and ``prompts``) against the model before any work is done; changes nothing. A
-    decoder then selects the execution engine for the call itself (``configure_engine``)."""
+    """Validate ``cfg`` (and ``prompts``) against the model before any work (the engine too); changes nothing."""
     num_layers = m.num_layers
     if cfg.exit_layer is not None and not 1 <= cfg.exit_layer <= num_layers - 1:
         raise ConfigError(

@@ -56,12 +56,13 @@ class Setup:
 @dataclass
 class PlanInputs:
     """What ``auto`` plans from: the target, its cost model, the acceptance its checkpoint records (None:
-    none) and an exit adapter directory given with it (None: none)."""
+    none), an exit adapter directory given with it (None: none) and an EAGLE-3 head directory (None: none)."""
 
     m: EarlyExitModel
     costs: CostModel
     record: AcceptanceRecord | None = None
     adapter: str | None = None
+    drafter: str | None = None
 
 
 @dataclass

@@ -56,6 +56,9 @@ class Proposer:
     name: ClassVar[str] = "proposer"
     vocab: torch.Tensor | None = None
     depth: int = 0
+    # hidden-state ids of the target whose states the proposer reads after each verification
+    # (``Draft.features``, captured by ``speculative.verify``); () for none: one unsplit verification pass
+    feature_layers: tuple[int, ...] = ()
     costs: CostModel
     policy: DraftPolicy
 
@@ -150,13 +153,29 @@ def propose_token(
     neither sampling nor ``want_probs`` needs it).
     """
     logits = d.exit_logits(hidden) if vocab is None else d.exit_logits_subset(hidden, vocab)  # [B, V|S]
+    return pick_token(
+        logits, cfg, generator=generator, vocab=vocab, vocab_size=d.vocab_size, want_probs=want_probs
+    )
+
+
+def pick_token(
+    logits: torch.Tensor,
+    cfg: DecodeConfig,
+    *,
+    generator: torch.Generator,
+    vocab: torch.Tensor | None,
+    vocab_size: int,
+    want_probs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One draft token from a drafter's ``logits [B, V|S]`` (over ``vocab [S]``, full-vocabulary ids, when a
+    subset is scored); returns what ``propose_token`` does, ``q`` over the ``vocab_size`` full ids."""
     q = probabilities(logits, cfg) if want_probs or not cfg.greedy else None
     index = choose(logits, q, cfg, generator)  # [B], into the subset when there is one
     confidence = None if q is None else q.gather(-1, index[:, None])[:, 0]
     if vocab is None:
         return index, q, confidence
     if not cfg.greedy:
-        q = q.new_zeros(q.shape[0], d.vocab_size).scatter_(-1, vocab.expand(q.shape[0], -1), q)
+        q = q.new_zeros(q.shape[0], vocab_size).scatter_(-1, vocab.expand(q.shape[0], -1), q)
     return vocab[index], q, confidence
 
 

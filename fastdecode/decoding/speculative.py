@@ -65,6 +65,9 @@ class Draft:
     sources: list[str] | None = None  # per row, the proposer that drafted it (a chain's statistics)
     layers_run: int = 0  # drafting work: decoder-layer x token applications of the active rows
     layer_calls: int = 0  # drafting's sequential decoder-layer calls
+    # [B, k+1, F*H]: the target's hidden states at the proposer's ``feature_layers`` at [t, d], concatenated
+    # in that order; filled by ``verify`` for a proposer that names feature layers (EAGLE-3), else None
+    features: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -182,10 +185,38 @@ def settle(
     return done, kept_t
 
 
-def verify(m: EarlyExitModel, cache: KVCache, r: Round, draft: Draft) -> torch.Tensor:
+def run_capturing(
+    m: EarlyExitModel,
+    hidden: torch.Tensor,
+    depth: int,
+    pos: torch.Tensor,
+    cache: KVCache,
+    *,
+    layers: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Layers ``[depth, L)`` on ``hidden [B, T, H]`` -> ``(final residual stream [B, T, H], features)``:
+    ``features [B, T, F*H]`` the residual stream after ``i`` blocks (Hugging Face's ``hidden_states[i]``;
+    ``i = L``: after the final norm) for each ``i`` of ``layers``, concatenated in that order; None without
+    ``layers``. The layers run in segments between those ids on the one cache: no extra pass."""
+    if not layers:
+        return m.run_layers(hidden, depth, m.num_layers, pos, cache=cache), None
+    if min(layers) < depth:
+        raise ValueError(f"feature layers {layers} lie below the {depth} blocks the drafter already ran")
+    seen = {}
+    for stop in sorted(set(layers)):
+        hidden = m.run_layers(hidden, depth, stop, pos, cache=cache)
+        seen[stop], depth = (m.exit_hidden(hidden) if stop == m.num_layers else hidden), stop
+    hidden = m.run_layers(hidden, depth, m.num_layers, pos, cache=cache)
+    return hidden, torch.cat([seen[i] for i in layers], -1)
+
+
+def verify(
+    m: EarlyExitModel, cache: KVCache, r: Round, draft: Draft, features: tuple[int, ...] = ()
+) -> torch.Tensor:
     """Target logits ``[B, k+1, V]`` at ``[t, d1..dk]``: layers ``[draft.depth, L)`` on the hidden states the
     proposer hands over, or (``draft.hidden`` None) every layer from the embeddings; the k+1 slots are valid
-    only for the active rows (finished rows write slots nobody attends to)."""
+    only for the active rows (finished rows write slots nobody attends to). ``features``: the hidden-state
+    ids the proposer reads (``Proposer.feature_layers``), captured into ``draft.features`` on the way."""
     k = draft.k
     pos = (r.positions[:, None] + torch.arange(k + 1, device=m.device)).clamp(
         max=m.config.max_position_embeddings - 1
@@ -195,7 +226,8 @@ def verify(m: EarlyExitModel, cache: KVCache, r: Round, draft: Draft) -> torch.T
         ids = torch.cat([r.last[:, None], draft.tokens], 1)  # [B, k+1]
         cache.reserve(r.active[:, None].expand_as(ids), r.start, pos)
         hidden, depth = m.embed(ids, pos), 0
-    return m.exit_logits(m.run_layers(hidden, depth, m.num_layers, pos, cache=cache))
+    hidden, draft.features = run_capturing(m, hidden, depth, pos, cache, layers=features)
+    return m.exit_logits(hidden)
 
 
 def speculate(
@@ -221,7 +253,8 @@ def speculate(
         r = Round(last, positions, rows.active_mask(m.device), limit, rows, cache.lengths[0])
         policy.begin()
         draft = proposer.propose(r)
-        verdict = accept(verify(m, cache, r, draft), draft, cfg, generator=generator)
+        logits = verify(m, cache, r, draft, proposer.feature_layers)
+        verdict = accept(logits, draft, cfg, generator=generator)
         done, kept = settle(
             rows, out, draft=draft, verdict=verdict, caches=[cache, *proposer.caches()], start=r.start
         )

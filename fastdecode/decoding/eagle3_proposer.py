@@ -1,0 +1,175 @@
+"""The EAGLE-3 proposer (Li et al., 2025): a one-layer head (``fastdecode/eagle3.py``) drafts a chain from the
+target features the verification has just computed.
+
+Alignment (the training's, ``eagle3_train/losses.py``): the head's row for the token ``x_p`` at position
+``p`` reads the target's embedding of ``x_p`` and the target's features at ``p - 1`` (``aux_layer_ids``,
+captured by the verification: ``Proposer.feature_layers``, ``speculative.run_capturing``), at RoPE position
+``p``; its logits predict ``x_{p+1}``. Position 0 has no row. Later draft steps feed the head's own output
+hidden state with the embedding of the token just drafted, at ``p + 1``, attending causally to every earlier
+head row: plain causal attention over the head's keys in position order is the training-time-test mask.
+
+Slots: the head's keys and values (``Eagle3KV``) follow the target cache's slot layout, with a validity mask
+of their own (left padding, position 0, the holes ragged rollbacks leave). One round, ``t`` the last accepted
+token at slot ``s`` (``Round.start``)::
+
+    propose: the row of t (features of the token before it, kept from the last verification) at slot s;
+             drafts d1..dk from it and from rows of the head's own hidden states at s+1.., which are then
+             cropped (they read no target features)
+    verify:  the target scores [t, d1..dk] and hands over its features there (``Draft.features``)
+    update:  rows of the kept drafts d1..d_a at s+1..s+a with the real features of t, d1..d_{a-1} (rows
+             that kept fewer than the batch's longest get holes, as in the target's cache); the features
+             of d_a are kept for the next round's row of the verifier's token.
+
+Drafts score the head's draft vocabulary, mapped to target ids (``d2t``); when sampling, q is the head's
+distribution after the target's logits processing, zero outside that vocabulary: lossless.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastdecode.cost import CostModel
+from fastdecode.decoding.common import DecodeConfig, Prefill, left_pad
+from fastdecode.decoding.policies import LaggedFlag
+from fastdecode.decoding.proposers import Proposer, one_hot, pick_token
+from fastdecode.decoding.speculative import Draft, Round, Verdict, run_capturing
+from fastdecode.eagle3 import Eagle3Head
+from fastdecode.eagle3_layer import Eagle3KV, causal_mask
+from fastdecode.model import EarlyExitModel
+
+
+class Eagle3Proposer(Proposer):
+    """Drafts with ``head`` (an ``Eagle3Head`` on the target's device and dtype) over its draft vocabulary;
+    ``head_cost``: one head forward in plain decoding steps of the target (``fastdecode/cost.py``)."""
+
+    name = "eagle3"
+
+    def __init__(
+        self,
+        m: EarlyExitModel,
+        head: Eagle3Head,
+        cfg: DecodeConfig,
+        generator: torch.Generator,
+        *,
+        costs: CostModel,
+        head_cost: float = 0.0,
+    ) -> None:
+        self.m, self.head, self.cfg, self.generator, self.costs = m, head, cfg, generator, costs
+        self.head_cost = head_cost
+        self.feature_layers = tuple(head.config.aux_layer_ids)
+        draft_ids = torch.arange(head.config.draft_vocab_size, device=m.device)
+        self.vocab = head.draft_to_target(draft_ids)  # [S] target ids of the head's columns
+        self.kv = Eagle3KV()
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=m.device)  # [B, slots]: rows that exist
+        self.prev: torch.Tensor | None = None  # [B, F*H]: features of the token before each row's last
+        self.retired = False
+        self.flag = LaggedFlag(m.device)
+
+    # -- the head's rows ----------------------------------------------------------------------------------
+    def rows(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head rows for ``tokens [B, T]`` at the next ``T`` slots: ``hidden [B, T, F*H]`` target features
+        (of the positions before) or ``[B, T, H]`` the head's own output; ``positions [B, T]``; ``valid
+        [B, T]`` bool: rows later queries may attend to. -> ``(logits [B, T, S], hidden [B, T, H])``."""
+        past, steps = len(self.kv), tokens.shape[1]
+        self.valid = torch.cat([self.valid[:, :past], valid], 1)
+        keys = self.valid[:, None, None, :] & causal_mask(steps, past, tokens.device)  # [B, 1, T, past + T]
+        own = torch.zeros_like(keys[0, 0])
+        own[:, past:] = torch.eye(steps, dtype=torch.bool, device=tokens.device)  # never a query with no key
+        pos = positions.clamp(max=self.m.config.max_position_embeddings - 1)
+        return self.head(self.m.token_embed(tokens), hidden, pos, self.kv, keys | own)
+
+    def crop(self, slots: int) -> None:
+        """Keep the head's first ``slots`` slots (drop the rows drafting wrote)."""
+        self.kv.crop(slots)
+        self.valid = self.valid[:, :slots]
+
+    def start(self, m: EarlyExitModel, prompts: list[list[int]], capacity: int) -> Prefill:
+        """Prefill the target, capturing the prompt's features, and the head's rows for the prompt."""
+        ids, valid, positions = left_pad(prompts, m.device)
+        batch, width = ids.shape
+        cache = m.new_cache(batch, max(capacity, width))
+        cache.reserve(valid, 0, positions)
+        hidden, features = run_capturing(
+            m, m.embed(ids, positions), 0, positions, cache, layers=self.feature_layers
+        )
+        self.kv, self.valid = Eagle3KV(), valid[:, :0]  # (a chain may have retired it already: kept)
+        before = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)  # features at p - 1
+        self.rows(ids, before, positions, valid & (positions > 0))
+        self.prev = features[:, -1]
+        lengths = torch.tensor([len(p) for p in prompts], device=m.device)
+        return Prefill(cache, lengths, m.exit_logits(hidden[:, -1]))
+
+    def last_row(self, r: Round) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row of ``r.last`` at slot ``r.start``, from the features of the token before it."""
+        on = torch.ones_like(r.active)[:, None]
+        return self.rows(r.last[:, None], self.prev[:, None], r.positions[:, None], on)
+
+    # -- drafting -----------------------------------------------------------------------------------------
+    def propose(self, r: Round) -> Draft:
+        """Drafts up to ``r.limit`` tokens; a dynamic policy's stop flag is read one token late (``LaggedFlag``,
+        after the next row's pass was launched: no stall)."""
+        logits, hidden = self.last_row(r)
+        base, cfg, policy, flag = len(self.kv), self.cfg, self.policy, self.flag
+        tokens, probs, passes = [], [], 2  # the row of t, and next round's catch-up pass (``update``)
+        on = torch.ones_like(r.active)[:, None]
+        flag.reset()
+        for i in range(r.limit):
+            if i:  # the row of the token just drafted, on the head's own hidden state
+                logits, hidden = self.rows(tokens[-1][:, None], hidden, (r.positions + i)[:, None], on)
+                passes += 1
+                if not flag.read():
+                    break
+            token, q, confidence = pick_token(
+                logits[:, -1],
+                cfg,
+                generator=self.generator,
+                vocab=self.vocab,
+                vocab_size=self.m.vocab_size,
+                want_probs=policy.dynamic,
+            )
+            tokens.append(token)
+            probs.append(q)
+            if policy.dynamic:
+                flag.push(policy.keep_drafting(confidence, r.active))
+        self.crop(base)
+        batch, live = r.last.shape[0], int(r.active.sum())
+        drafted = torch.stack(tokens, 1) if tokens else r.last.new_zeros(batch, 0)
+        q_all = None
+        if not cfg.greedy:
+            empty = torch.zeros(batch, 0, self.m.vocab_size, device=r.last.device)
+            q_all = torch.stack(probs, 1) if probs else empty
+        return Draft(drafted, q_all, None, layers_run=passes * live, layer_calls=passes)
+
+    def absorb(self, r: Round, tokens: torch.Tensor, lengths: list[int], source: str) -> Draft:
+        """A deterministic draft made elsewhere: the head still writes the row of ``r.last``."""
+        if not self.retired:
+            self.last_row(r)
+        probs = None if self.cfg.greedy else one_hot(tokens, self.m.vocab_size)
+        return Draft(tokens, probs, list(lengths), sources=[source] * len(lengths))
+
+    def retire(self) -> None:
+        """A chain stopped its drafts for the rest of the call: the head's rows are not kept any more."""
+        self.retired = True
+
+    def update(self, r: Round, draft: Draft, verdict: Verdict, done) -> None:
+        """Rows of the kept drafts with the features the verification computed (module docstring)."""
+        if self.retired:
+            return
+        features = draft.features  # [B, k+1, F*H] at [t, d1..dk]
+        kept = torch.tensor(done.kept, device=features.device)
+        longest = max(done.kept)
+        if longest:
+            offsets = torch.arange(longest, device=features.device)
+            positions = r.positions[:, None] + 1 + offsets
+            valid = offsets[None, :] < kept[:, None]
+            self.rows(draft.tokens[:, :longest], features[:, :longest], positions, valid)
+        self.prev = features[torch.arange(features.shape[0], device=features.device), kept]
+
+    def token_cost(self) -> float:
+        return self.head_cost
+
+    def round_cost(self, drafted: int) -> float:
+        # the row of t and the catch-up pass over the kept drafts, besides one head pass per drafted token
+        return self.costs.round_cost(drafted, self.head_cost, 0) + self.head_cost
