@@ -147,10 +147,8 @@ def offers(p: PlanInputs) -> list[Offer]:
     check_head(cfg, p.m, p.drafter)
     token = head_token_cost(p.costs, p.m, load_head(p.drafter, p.m))
     options = {"drafter": str(p.drafter), "exit_layer": None, "adapter": None, "draft_vocab": None}
-    d, costs = found[0], p.costs
-    # the row of the verifier's token and the catch-up pass: one head forward per round besides the drafts
-    per_round = lambda k: costs.round_cost(k, token, 0) + token  # noqa: E731
-    return [Offer(NAME, options, d.acceptance, token, 0, None, d.tokens_per_round, per_round)]
+    d = found[0]  # a round of k drafts: k head passes (``Eagle3Proposer.round_cost``) and the verification
+    return [Offer(NAME, options, d.acceptance, token, 0, None, d.tokens_per_round)]
 
 
 KIND = ProposerKind(NAME, build, check=check, chainable=True, offers=offers)

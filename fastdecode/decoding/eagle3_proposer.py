@@ -12,13 +12,14 @@ Slots: the head's keys and values (``Eagle3KV``) follow the target cache's slot 
 of their own (left padding, position 0, the holes ragged rollbacks leave). One round, ``t`` the last accepted
 token at slot ``s`` (``Round.start``)::
 
-    propose: the row of t (features of the token before it, kept from the last verification) at slot s;
-             drafts d1..dk from it and from rows of the head's own hidden states at s+1.., which are then
-             cropped (they read no target features)
+    propose: drafts d1..dk from the row of t at slot s (written by the last ``update``; after the prefill
+             or a chain's own draft, computed here from the features of the token before t) and from rows
+             of the head's own hidden states at s+1.., which are then cropped (they read no target features)
     verify:  the target scores [t, d1..dk] and hands over its features there (``Draft.features``)
-    update:  rows of the kept drafts d1..d_a at s+1..s+a with the real features of t, d1..d_{a-1} (rows
-             that kept fewer than the batch's longest get holes, as in the target's cache); the features
-             of d_a are kept for the next round's row of the verifier's token.
+    update:  in one head pass, rows of the kept drafts d1..d_a at s+1..s+a with the real features of t,
+             d1..d_{a-1} (rows that kept fewer than the batch's longest get holes, as in the target's
+             cache) and the row of the verifier's token after them with the features of d_a: the next
+             round's first draft. A round of k drafts thus costs k head passes.
 
 Drafts score the head's draft vocabulary, mapped to target ids (``d2t``); when sampling, q is the head's
 distribution after the target's logits processing, zero outside that vocabulary: lossless.
@@ -62,6 +63,7 @@ class Eagle3Proposer(Proposer):
         self.kv = Eagle3KV()
         self.valid = torch.zeros(0, 0, dtype=torch.bool, device=m.device)  # [B, slots]: rows that exist
         self.prev: torch.Tensor | None = None  # [B, F*H]: features of the token before each row's last
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the row of the next round's t
         self.retired = False
         self.flag = LaggedFlag(m.device)
 
@@ -97,7 +99,7 @@ class Eagle3Proposer(Proposer):
         self.kv, self.valid = Eagle3KV(), valid[:, :0]  # (a chain may have retired it already: kept)
         before = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)  # features at p - 1
         self.rows(ids, before, positions, valid & (positions > 0))
-        self.prev = features[:, -1]
+        self.prev, self.pending = features[:, -1], None
         lengths = torch.tensor([len(p) for p in prompts], device=m.device)
         return Prefill(cache, lengths, m.exit_logits(hidden[:, -1]))
 
@@ -110,9 +112,12 @@ class Eagle3Proposer(Proposer):
     def propose(self, r: Round) -> Draft:
         """Drafts up to ``r.limit`` tokens; a dynamic policy's stop flag is read one token late (``LaggedFlag``,
         after the next row's pass was launched: no stall)."""
-        logits, hidden = self.last_row(r)
+        passes = 1  # this round's ``update`` pass (which also writes the next round's row of t)
+        if self.pending is None:
+            self.pending, passes = self.last_row(r), passes + 1
+        (logits, hidden), self.pending = self.pending, None
         base, cfg, policy, flag = len(self.kv), self.cfg, self.policy, self.flag
-        tokens, probs, passes = [], [], 2  # the row of t, and next round's catch-up pass (``update``)
+        tokens, probs = [], []
         on = torch.ones_like(r.active)[:, None]
         flag.reset()
         for i in range(r.limit):
@@ -144,8 +149,9 @@ class Eagle3Proposer(Proposer):
 
     def absorb(self, r: Round, tokens: torch.Tensor, lengths: list[int], source: str) -> Draft:
         """A deterministic draft made elsewhere: the head still writes the row of ``r.last``."""
-        if not self.retired:
+        if not self.retired and self.pending is None:
             self.last_row(r)
+        self.pending = None
         probs = None if self.cfg.greedy else one_hot(tokens, self.m.vocab_size)
         return Draft(tokens, probs, list(lengths), sources=[source] * len(lengths))
 
@@ -158,18 +164,23 @@ class Eagle3Proposer(Proposer):
         if self.retired:
             return
         features = draft.features  # [B, k+1, F*H] at [t, d1..dk]
-        kept = torch.tensor(done.kept, device=features.device)
+        device = features.device
+        kept = torch.tensor(done.kept, device=device)
         longest = max(done.kept)
-        if longest:
-            offsets = torch.arange(longest, device=features.device)
-            positions = r.positions[:, None] + 1 + offsets
-            valid = offsets[None, :] < kept[:, None]
-            self.rows(draft.tokens[:, :longest], features[:, :longest], positions, valid)
-        self.prev = features[torch.arange(features.shape[0], device=features.device), kept]
+        self.prev = features[torch.arange(features.shape[0], device=device), kept]  # [B, F*H]
+        offsets = torch.arange(longest, device=device)
+        tokens = torch.cat([draft.tokens[:, :longest], verdict.next_token[:, None]], 1)  # [B, longest + 1]
+        hidden = torch.cat([features[:, :longest], self.prev[:, None]], 1)
+        positions = torch.cat([r.positions[:, None] + 1 + offsets, (r.positions + kept + 1)[:, None]], 1)
+        valid = torch.cat(
+            [offsets[None, :] < kept[:, None], torch.ones_like(kept, dtype=torch.bool)[:, None]], 1
+        )
+        logits, out = self.rows(tokens, hidden, positions, valid)
+        self.pending = (logits[:, -1:], out[:, -1:])
 
     def token_cost(self) -> float:
         return self.head_cost
 
     def round_cost(self, drafted: int) -> float:
-        # the row of t and the catch-up pass over the kept drafts, besides one head pass per drafted token
-        return self.costs.round_cost(drafted, self.head_cost, 0) + self.head_cost
+        # one head pass per drafted token: the first is the last round's catch-up pass (``update``)
+        return self.costs.round_cost(drafted, self.head_cost, 0)
