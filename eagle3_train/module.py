@@ -101,7 +101,7 @@ class Eagle3LM(nn.Module):
         mask[rows, cols + 1] = True
         return {
             "input_ids": input_ids,
-            "embeds": self.m.embed(input_ids, positions).float(),
+            "embeds": self.m.token_embed(input_ids).float(),  # as the proposer embeds (no learned positions)
             "features": features.float(),
             "target_logp": logp,
             "target_ids": ids,

@@ -39,7 +39,7 @@ def leading_matches(head: Eagle3Head, m: EarlyExitModel, record: dict, aux: list
     features = torch.cat([record[f"h{a}"].float() for a in aux], dim=-1)[None].to(m.device)  # [1, T, 3H]
     tokens = ids[1:][None].to(m.device)  # row i holds token x_{i+1}
     positions = torch.arange(1, len(ids), device=m.device)[None]
-    embeds = m.embed(tokens, positions).float()
+    embeds = m.token_embed(tokens).float()
     logits = ttt_unroll(head, embeds, features, positions, steps=max_draft)
     drafts = torch.stack([head.draft_to_target(s[0].argmax(-1)) for s in logits]).cpu()  # [K, T]
     lead = [0] * n
