@@ -38,6 +38,7 @@ BAD_INPUT = {
     "fastdecode-train-cost": ("train_cost", ["--model", "nosuch"], "Unknown model 'nosuch'"),
     "fastdecode-lookup-replay": ("lookup_replay", ["num_prompts=0", "model=tiny-llama"], "num_prompts"),
     "fastdecode-export-exit": ("export_exit", ["exit_layer=abc", "checkpoint=nosuch"], "exit_layer"),
+    "fastdecode-eagle3-check": ("eagle3_check", ["model=nosuch"], "nosuch"),
 }
 
 
