@@ -73,10 +73,8 @@ def training_step(m: EarlyExitModel, head: Eagle3Head, batch: int, length: int, 
     return {"features_s": features_s, "head_step_s": time.perf_counter() - start, "peak_gib": peak}
 
 
-@one_line_errors
-def main(argv: list[str] | None = None) -> dict:
-    """``key=value`` arguments (default: the command line's): ``DEFAULTS``' keys, and ``model.<field>`` overrides of the model config."""
-    argv = sys.argv[1:] if argv is None else argv
+def run(argv: list[str]) -> dict:
+    """The check of ``key=value`` arguments: ``DEFAULTS``' keys, and ``model.<field>`` overrides of the model config."""
     pairs = [a.split("=", 1) for a in argv]
     overrides = {k[len("model.") :]: OmegaConf.create({"v": v}).v for k, v in pairs if k.startswith("model.")}
     args = OmegaConf.merge(
@@ -97,6 +95,12 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "eagle3_check.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
     return result
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> None:
+    """The console script: ``run`` on the command line's arguments (the result printed as one JSON line)."""
+    run(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

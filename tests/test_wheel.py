@@ -82,9 +82,17 @@ def test_console_scripts_compose_and_train_from_another_folder(venv, tmp_path):
     assert "--steps" in _run([str(venv / "bin" / "fastdecode-train-cost"), "--help"], tmp_path).stdout
     export = [str(venv / "bin" / "fastdecode-export-exit"), "--cfg", "job", "checkpoint=some/final"]
     assert "exit_layer" in _run(export, tmp_path).stdout  # no model group: the checkpoint is the model
+    check = [str(venv / "bin" / "fastdecode-eagle3-check"), "model=tiny-llama", "model.device=cpu", "out=e3"]
+    assert '"head_step_s"' in _run(check, tmp_path).stdout  # a training step of a head, and the head written
+    assert (tmp_path / "e3" / "head" / "config.json").is_file()
     section = (ROOT / "pyproject.toml").read_text().split("[project.scripts]\n")[1].split("\n[")[0]
     declared = {line.split("=")[0].strip() for line in section.splitlines() if "=" in line}
-    others = {"fastdecode-train", "fastdecode-train-cost", "fastdecode-export-exit"}
+    others = {
+        "fastdecode-train",
+        "fastdecode-train-cost",
+        "fastdecode-export-exit",
+        "fastdecode-eagle3-check",
+    }
     assert declared == {*hydra_scripts, *others}  # every one tested here
     assert all((venv / "bin" / script).is_file() for script in declared)
     data = tmp_path / "chat.jsonl"
