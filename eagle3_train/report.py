@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from eagle3_train.losses import ttt_unroll
-from fastdecode.acceptance import MAX_REPLAYED_DRAFT, AcceptanceRecord, DrafterRecord
+from fastdecode.acceptance import MAX_REPLAYED_DRAFT, AcceptanceRecord, DrafterRecord, replay_leads
 from fastdecode.eagle3 import Eagle3Head
 from fastdecode.model import EarlyExitModel
 from fastdecode.training.feature_records import generation_features
@@ -55,22 +55,6 @@ def leading_matches(head: Eagle3Head, m: EarlyExitModel, record: dict, aux: list
     return lead, hits, tried
 
 
-def rounds_per_k(leads: list[list[int]], max_draft: int) -> dict[int, float]:
-    """Tokens per round of chain drafting with K drafts, K = 1..``max_draft``, replayed exactly: a round at
-    j emits ``min(lead[j], K, n - 1 - j) + 1`` tokens and the next starts after them (as
-    ``fastdecode.acceptance.replay_rounds`` does with per-token matches)."""
-    out = {}
-    for k in range(1, max_draft + 1):
-        tokens = rounds = 0
-        for lead in leads:
-            j = 1
-            while j < len(lead):
-                accepted = min(lead[j], k, len(lead) - 1 - j)
-                tokens, rounds, j = tokens + accepted + 1, rounds + 1, j + accepted + 1
-        out[k] = tokens / rounds if rounds else 1.0
-    return out
-
-
 def acceptance_figures(leads: list[list[int]], hits: list[int], tried: list[int]) -> dict[str, Any]:
     """Per-position conditional acceptance (draft k accepted given drafts < k were, as speculators reports
     it), acceptance length at K in ``LENGTHS`` (the mean tokens a round from any start yields, the
@@ -83,7 +67,7 @@ def acceptance_figures(leads: list[list[int]], hits: list[int], tried: list[int]
     return {
         "conditional_acceptance": [h / t if t else 0.0 for h, t in zip(hits, tried, strict=True)],
         "acceptance_length": length,
-        "tokens_per_round": rounds_per_k(leads, len(hits)),
+        "tokens_per_round": replay_leads(leads, len(hits)),
         "starts": len(starts),
         "answers": len(leads),
         "tokens": sum(len(lead) for lead in leads),

@@ -77,18 +77,27 @@ def replay_rounds(matches: Sequence[Sequence[bool]], max_draft: int = MAX_REPLAY
     verifier's token: the next round starts one token after the accepted run. Exact for greedy decoding of
     one row; the first generated token comes from the prefill (not a round).
     """
+    leads = []
+    for seq in matches:  # lead[j]: the run of matches from token j
+        lead, run = [0] * len(seq), 0
+        for j in range(len(seq) - 1, -1, -1):
+            run = run + 1 if seq[j] else 0
+            lead[j] = run
+        leads.append(lead)
+    return replay_leads(leads, max_draft)
+
+
+def replay_leads(leads: Sequence[Sequence[int]], max_draft: int = MAX_REPLAYED_DRAFT) -> dict[int, float]:
+    """``replay_rounds`` from ``leads[s][j]``: how many drafts from token j of sequence s match (at least
+    ``max_draft`` where more do): a round at j emits ``min(lead[j], K, n - 1 - j) + 1`` tokens (the verifier
+    adds one; drafts stop one short of the end) and the next round starts after them."""
     out = {}
     for k in range(1, max_draft + 1):
         tokens = rounds = 0
-        for seq in matches:
+        for lead in leads:
             j = 1
-            while j < len(seq):
-                limit = min(
-                    k, len(seq) - j - 1
-                )  # the verifier adds one token: drafts stop one short of the end
-                accepted = 0
-                while accepted < limit and seq[j + accepted]:
-                    accepted += 1
+            while j < len(lead):
+                accepted = min(lead[j], k, len(lead) - 1 - j)
                 tokens, rounds, j = tokens + accepted + 1, rounds + 1, j + accepted + 1
         out[k] = tokens / rounds if rounds else 1.0
     return out

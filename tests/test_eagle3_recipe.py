@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 import fastdecode_recipes
 from eagle3_train.losses import ttt_loss
-from eagle3_train.report import leading_matches, rounds_per_k
-from fastdecode.acceptance import read_record
+from eagle3_train.report import leading_matches
+from fastdecode.acceptance import read_record, replay_leads
 from fastdecode.config import ConfigError
 from fastdecode.eagle3 import Eagle3Config, Eagle3Head
 from fastdecode.eagle3_files import load_eagle3
@@ -200,4 +200,4 @@ def test_rounds_replay_the_accepted_runs():
     # one answer of 6 tokens; from start 1 two drafts match, from 4 one: K=2 -> rounds at 1 (3 tokens),
     # 4 (2 tokens: a_4 accepted, the verifier's a_5): 5 tokens in 2 rounds
     lead = [0, 2, 0, 0, 1, 0]
-    assert rounds_per_k([lead], 2) == {1: 5 / 3, 2: 5 / 2}
+    assert replay_leads([lead], 2) == {1: 5 / 3, 2: 5 / 2}
