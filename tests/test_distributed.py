@@ -24,6 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed
 
 
+def _train(kind: str, args: list[str]) -> None:
+    """``train.py args`` under the launcher of ``kind`` (2 CPU processes); its output shown if it fails."""
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        _launcher(kind) + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def _launcher(kind: str) -> list[str]:
     port = str(free_port())
     if kind == "ddp":
@@ -52,11 +61,7 @@ def test_two_process_training_exports_a_loadable_checkpoint(tmp_path, kind, deep
         f"deepspeed={deepspeed}",
         f"output_dir={out}",
     ]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        _launcher(kind) + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _train(kind, args)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "run"]  # one run directory
     summary = json.loads((out / "summary.json").read_text())
     assert summary["export_check"]["abs_diff"] < 1e-4
@@ -84,11 +89,7 @@ def test_skipdecode_two_process_ddp_exports_a_loadable_checkpoint(tmp_path):
         "+trainer.ddp_find_unused_parameters=false",
         f"output_dir={out}",
     ]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        _launcher("ddp") + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _train("ddp", args)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["export_check"]["abs_diff"] < 1e-4
     model = AutoModelForCausalLM.from_pretrained(out / "final")
@@ -124,11 +125,7 @@ def test_eagle3_two_process_training_exports_the_trained_head(tmp_path, kind, de
         f"deepspeed={deepspeed}",
         f"output_dir={out}",
     ]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        _launcher(kind) + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _train(kind, args)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["export_check"]["abs_diff"] < 1e-4 and summary["features"]["sequences"] == 8
     head = load_eagle3(out / "final")[0].state_dict()
