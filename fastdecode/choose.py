@@ -58,12 +58,13 @@ class LookupPrior:
     tokens: float
     width: float
 
-    def speedup(self, costs: CostModel, fallback: float = 1.0) -> float:
+    def speedup(self, costs: CostModel, fallback: float = 1.0, ride: float = 0.0) -> float:
         """Expected speedup over plain decoding; with a ``fallback`` drafter (its own speedup) drafting the
-        rounds without a lookup draft (a chain): those rounds' tokens then take 1/fallback of the time."""
+        rounds without a lookup draft (a chain): those rounds' tokens then take 1/fallback of the time, and
+        the lookup rounds ``ride`` more (what the fallback drafter costs there, ``Offer.ride_cost``)."""
         q = self.drafted
         tokens = q * self.tokens + (1 - q)
-        return tokens / (q * costs.verify(round(self.width) + 1) + (1 - q) / fallback)
+        return tokens / (q * (costs.verify(round(self.width) + 1) + ride) + (1 - q) / fallback)
 
 
 LOOKUP_PRIOR = LookupPrior(drafted=0.486, tokens=1.964, width=4.386)
@@ -168,7 +169,7 @@ def _candidate(kind: ProposerKind, offer: Offer, costs: CostModel, k: int, alone
     )
     if kind.chainable:
         options = offer.options | {"chain": True, "policy": "adaptive", "draft_tokens": MAX_DRAFT}
-        speedup = LOOKUP_PRIOR.speedup(costs, fallback=alone)
+        speedup = LOOKUP_PRIOR.speedup(costs, fallback=alone, ride=offer.ride_cost)
         reason = f"prompt lookup, else {offer.drafter} ({acceptance}: {alone:.2f}x alone at K={k})"
         name = f"prompt_lookup+{offer.drafter.split(' ')[0]}"
     else:

@@ -21,7 +21,9 @@ Two sources:
 
 - ``measured`` (``measure_costs``): timed on the loaded model on the path decoding takes (the engine with its
   calibrated kernels, the cache), the least disturbed of interleaved rounds, then the lower envelope over T
-  (timing noise only adds time, and a forward over more tokens never costs less). Measured once per model,
+  (timing noise only adds time). A forward over more tokens can cost less (oneDNN's two-row kernels on some
+  CPUs): a full-depth verification then runs as that larger T (``pad_lengths``, ``CostModel.run_length``,
+  applied by ``decoding/speculative.verify``), so the envelope's price is what it pays. Measured once per model,
   machine, engine, thread count and batch size, and kept on disk (``fastdecode/cost_store.py``), so a new
   process reads it instead of timing again. On a CPU a forward over T new tokens is far from free (the
   kernels' cost steps up with T), and the choices must see that.
@@ -38,9 +40,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 
@@ -50,12 +51,16 @@ from fastdecode.engine import default_options
 from fastdecode.identity import weights_fingerprint
 from fastdecode.model import EarlyExitModel
 from fastdecode.progress import phase
+from fastdecode.timing import Timer, interleaved_minima, lower_envelope, pad_lengths, timed
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("measured", "estimated")
 PROBE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # T values timed; others are interpolated / extrapolated
 PROBE_CONTEXT = 128  # cached tokens the timed forwards attend to
+PAD_MARGIN = (
+    0.1  # a verification runs as a larger T (``pad_lengths``) only when that measured this much cheaper
+)
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ class CostModel:
     source: str
     step_seconds: float | None = None  # the unit in seconds (measured only)
     batch: int = 1  # rows per forward the tables were measured with
+    pad: tuple[int, ...] = ()  # pad[i]: the probed T a verification of tokens[i] positions runs as (empty: T)
 
     def _at(self, table: tuple[float, ...], tokens: int) -> float:
         """``table`` at T = ``tokens``: linear between probed T, extrapolated from the last two beyond."""
@@ -103,6 +109,13 @@ class CostModel:
         """A verification of ``tokens`` positions (the last token plus the drafts) whose first ``depth`` blocks
         run one token at a time (self-speculation: the last draft's pass) and the rest over all of them."""
         return self.layers(depth) + self.layers(self.num_layers - depth, tokens) + self.head_cost(tokens)
+
+    def run_length(self, tokens: int) -> int:
+        """The positions a full-depth verification of ``tokens`` positions runs: a larger probed T where it
+        measured cheaper (``pad_lengths``), the extra positions' outputs dropped; else ``tokens``."""
+        if self.pad and tokens in self.tokens:
+            return self.pad[self.tokens.index(tokens)]
+        return tokens
 
     def round_cost(self, drafted: int, draft_token: float, depth: int = 0) -> float:
         """A round of ``drafted`` tokens at ``draft_token`` each, then their verification from ``depth``."""
@@ -171,21 +184,6 @@ def estimate_costs(m: EarlyExitModel) -> CostModel:
     return CostModel(m.num_layers, m.vocab_size, (1,), (block / step,), (head / step,), "estimated")
 
 
-Timer = Callable[[tuple, Callable[[], Any], torch.device], float]
-
-
-def timed(name: tuple, fn: Callable[[], Any], device: torch.device) -> float:
-    """Seconds ``fn()`` takes (the device synchronised before both clock reads); ``name`` says which probe
-    (``measure_costs`` takes another timer of this signature in tests)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
 def cost_batch(rows: int) -> int:
     """The batch size whose measured costs price a batch of ``rows`` rows: the next power of two (a cost
     model per batch size ever seen would time the model again for every new one)."""
@@ -210,30 +208,6 @@ def _probe_cache(m: EarlyExitModel, context: int, steps: int, *, batch: int = 1,
         adapter(m, hidden, pos[:, :context], cache=cache)
     m.run_layers(hidden, split, m.num_layers, pos[:, :context], cache=cache)
     return cache, ids[:, context:], pos[:, context:], context
-
-
-def lower_envelope(seconds: Sequence[float]) -> list[float]:
-    """Times per increasing T lowered to the largest non-decreasing sequence below them: each T takes the
-    least time measured at T or any larger T. Timing noise only ever adds time, and a forward over more new
-    tokens never costs less, so a probe slower than a larger T's was disturbed (a busy machine): its true
-    cost is at most the larger T's. (A running maximum would copy one disturbed small-T probe to every
-    larger T, making verification look free.)"""
-    out, low = [], float("inf")
-    for value in reversed(seconds):
-        low = min(low, value)
-        out.append(low)
-    return out[::-1]
-
-
-def _interleaved_minima(probes: dict, device: torch.device, repeats: int, timer: Timer) -> dict:
-    """The least disturbed of ``repeats`` interleaved rounds of every probe (after one untimed round)."""
-    times: dict = {name: [] for name in probes}
-    for round_ in range(repeats + 1):
-        for name, probe in probes.items():
-            seconds = timer(name, probe, device)
-            if round_:
-                times[name].append(seconds)
-    return {name: min(found) for name, found in times.items()}
 
 
 @phase("cost model", "timing the blocks and the head over 1 to 16 new tokens on the engine that decodes")
@@ -265,10 +239,11 @@ def measure_costs(
     for t in tokens:
         probes[("layers", t)] = lambda t=t: layers(t)
         probes[("head", t)] = lambda t=t: m.exit_logits(hidden_in[:, :t])
-    found = _interleaved_minima(probes, device, repeats, timer)
+    found = interleaved_minima(probes, device, repeats, timer)
     layer_min = lower_envelope([found[("layers", t)] / m.num_layers for t in tokens])
     head_min = lower_envelope([found[("head", t)] for t in tokens])
     step = layer_min[0] * m.num_layers + head_min[0]
+    pad = pad_lengths(tokens, [found[("layers", t)] + found[("head", t)] for t in tokens])
     return CostModel(
         m.num_layers,
         m.vocab_size,
@@ -278,6 +253,7 @@ def measure_costs(
         "measured",
         step,
         batch,
+        pad,
     )
 
 
@@ -329,7 +305,7 @@ def measure_exit_draft(
         head = m.exit_logits if vocab is None else (lambda h: m.exit_logits_subset(h, vocab))
         head(hidden[:, -1]).softmax(-1).argmax(-1)
 
-    found = _interleaved_minima({"step": step, "draft": draft}, m.device, repeats, timed)
+    found = interleaved_minima({"step": step, "draft": draft}, m.device, repeats, timed)
     m.measurements[key] = found["draft"] / found["step"]
     return m.measurements[key]
 
@@ -344,7 +320,7 @@ def decoding_costs(m: EarlyExitModel, source: str = "measured", *, batch: int = 
 def _store_key(m: EarlyExitModel, probes: Sequence[int], batch: int) -> str:
     engine = m.engine
     options = "hf" if engine is None else ",".join(f"{k}={v}" for k, v in asdict(engine.options).items())
-    return f"layers+head|{options}|threads={torch.get_num_threads()}|batch={batch}|T={list(probes)}"
+    return f"layers+head+pad|{options}|threads={torch.get_num_threads()}|batch={batch}|T={list(probes)}"
 
 
 def cost_model(m: EarlyExitModel, source: str = "measured", *, batch: int = 1) -> CostModel:

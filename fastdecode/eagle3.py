@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fastdecode.config import ConfigError
-from fastdecode.eagle3_layer import Eagle3KV, Eagle3Layer, RMSNorm, rope_cos_sin
+from fastdecode.eagle3_layer import Eagle3KV, Eagle3Layer, RMSNorm, StaticKV, rope_cos_sin
 
 FEATURES = 3  # target hidden states the head reads per position (low, middle, high)
 
@@ -226,7 +226,7 @@ class Eagle3Head(nn.Module):
         embeds: torch.Tensor,
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
-        kv: Eagle3KV | None = None,
+        kv: Eagle3KV | StaticKV | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass of the head over ``T`` positions -> ``(logits [B, T, draft_vocab_size], hidden [B, T, H])``.

@@ -1,5 +1,6 @@
 """The parts of an EAGLE-3 head (Li et al., 2025): RMSNorm, Llama rotary positions, the head's keys and
-values (``Eagle3KV``) and its one decoder layer (``Eagle3Layer``), written here rather than borrowed from
+values (``Eagle3KV`` for training, a list of blocks autograd can follow; ``StaticKV`` for decoding,
+preallocated, rolled back by a length pointer) and its one decoder layer (``Eagle3Layer``), written here rather than borrowed from
 Hugging Face, so the head needs no model internals (``fastdecode/eagle3.py`` assembles them).
 
 The decoder layer differs from a Llama layer in one place: its q/k/v projections read ``2H`` inputs,
@@ -11,8 +12,9 @@ checkpoints of vllm-project/speculators (``self_attn.{q,k,v,o}_proj``, ``mlp.{ga
 Attention contract (``Eagle3Layer.forward``): the ``T`` new positions attend to every key already in ``kv``
 (``S`` of them) and causally to each other, unless ``attn_mask`` says otherwise: a bool ``[T, S + T]`` or
 ``[B, 1, T, S + T]`` mask, True where a query may attend, over ``cat(kv keys, new keys)``. The new keys
-and values are appended to ``kv`` when one is given. The training-time test unroll builds its mask with
-``ttt_mask``; chain drafting uses the default.
+and values are appended to ``kv`` when one is given. Grouped-query heads attend through
+``scaled_dot_product_attention(enable_gqa=True)`` (no repeated keys). The training-time test unroll builds its
+mask with ``ttt_mask``; chain drafting uses the default.
 """
 
 from __future__ import annotations
@@ -92,6 +94,48 @@ class Eagle3KV:
         self.keys, self.values = [both[0][:, :, :length]], [both[1][:, :, :length]]
 
 
+class StaticKV:
+    """The head's keys and values for decoding, in preallocated buffers: ``[B, Hkv, capacity, D]`` each,
+    grown by doubling. ``append`` writes at the length pointer; ``crop(n)`` moves the pointer back (a
+    rollback, nothing copied). Same interface as ``Eagle3KV``; inference only (the writes are in place)."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.length = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = self.length + k.shape[2]
+        if self.keys is None or end > self.keys.shape[2]:
+            grown = max(end, 2 * (0 if self.keys is None else self.keys.shape[2]), 64)
+            keys, values = (
+                k.new_empty(*k.shape[:2], grown, k.shape[3]),
+                v.new_empty(*v.shape[:2], grown, v.shape[3]),
+            )
+            if self.keys is not None:
+                keys[:, :, : self.length] = self.keys[:, :, : self.length]
+                values[:, :, : self.length] = self.values[:, :, : self.length]
+            self.keys, self.values = keys, values
+        self.keys[:, :, self.length : end] = k
+        self.values[:, :, self.length : end] = v
+        self.length = end
+
+    def concatenated(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(K, V)``, each ``[B, Hkv, S, D]`` (views of the buffers), or None while empty."""
+        if self.keys is None or not self.length:
+            return None
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions (``0 <= length <= len(self)``)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop {self.length} cached positions to {length}")
+        self.length = length
+
+
 def causal_mask(new: int, past: int, device: torch.device | None = None) -> torch.Tensor:
     """bool ``[new, past + new]``: every past key, and the new keys up to the query's own position."""
     cols = torch.arange(past + new, device=device)
@@ -126,7 +170,7 @@ class Eagle3Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv: Eagle3KV | None = None,
+        kv: Eagle3KV | StaticKV | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x [B, T, 2H]`` -> ``[B, T, H]`` under the module docstring's contract."""
@@ -135,18 +179,16 @@ class Eagle3Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        past = kv.concatenated() if kv is not None else None
         if kv is not None:
             kv.append(k, v)
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+            k, v = kv.concatenated()
         if attn_mask is None:
             attn_mask = causal_mask(t, k.shape[2] - t, x.device)
         if attn_mask.shape[-2:] != (t, k.shape[2]):
             raise ValueError(f"attn_mask {tuple(attn_mask.shape)} does not end in [{t}, {k.shape[2]}]")
-        groups = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, enable_gqa=self.kv_heads != self.heads
+        )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -191,7 +233,7 @@ class Eagle3Layer(nn.Module):
         embeds: torch.Tensor,
         hidden: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv: Eagle3KV | None = None,
+        kv: Eagle3KV | StaticKV | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``embeds [B, T, H]``, ``hidden [B, T, H]`` (fused feature or the head's own output) -> the

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdecode.fast_linear import FastLinear, available_kernels, calibrate, uniform_plan
+from fastdecode.fast_linear import FastLinear, available_kernels, calibrate, packed_copy, uniform_plan
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +193,7 @@ class Engine:
     _sources: list[torch.Tensor] = field(default_factory=list)
     _versions: list[int] = field(default_factory=list)
     _subset: tuple | None = None  # (ids, head version, FastLinear) for exit_logits_subset
+    _packed: dict[int, tuple[nn.Module, nn.Module]] = field(default_factory=dict)  # id -> (module, copy)
 
     def linears(self) -> list[FastLinear]:
         found = [mod for layer in self.layers for mod in layer.modules() if isinstance(mod, FastLinear)]
@@ -258,6 +259,21 @@ class Engine:
         for name, group in groups.items():
             self._plan_group(name, group)
         self.build_seconds += time.perf_counter() - start
+
+    def packed(self, module: nn.Module) -> nn.Module:
+        """``module`` (a drafter run beside the model, e.g. an EAGLE-3 head) as this engine runs linears: an
+        inference copy whose ``nn.Linear``s are ``FastLinear``s planned like the model's (``fast_linear``;
+        kept per module, built on first use), else ``module`` itself. For inference only: its parameters
+        must not change while the copy is used (the packs are copies)."""
+        if not self.options.fast_linear:
+            return module
+        found = self._packed.get(id(module))
+        if found is None or found[0] is not module:
+            groups: dict[str, list[FastLinear]] = {}
+            twin = packed_copy(module, groups)
+            self.plan_all(groups)
+            found = self._packed[id(module)] = (module, twin)
+        return found[1]
 
     # ----------------------------------------------------------------------------------------------------
     def compiled_range(self, start: int, end: int, steps: int, run: Callable) -> Callable:

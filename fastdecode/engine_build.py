@@ -4,15 +4,13 @@ Part of the model seam (with ``model.py``, ``families.py`` and ``exit_blocks.py`
 a HF decoder layer's submodules to build the engine. ``EarlyExitModel.use_engine`` calls ``build_engine``.
 
 Layers are copied here in one case, for a reason: the families (or options) the lean ``RotaryLayer`` does
-not serve get an inference copy of each HF layer (``inference_copy``: the module tree copied, parameters and
-buffers shared) whose ``nn.Linear`` modules are swapped for ``FastLinear``, so the model that trains is never
-touched.
+not serve get an inference copy of each HF layer (``fast_linear.packed_copy``: the module tree copied,
+parameters and buffers shared, every ``nn.Linear`` swapped for a ``FastLinear``), so the model that trains is
+never touched.
 """
 
 from __future__ import annotations
 
-import copy
-import itertools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -23,7 +21,7 @@ from transformers import PretrainedConfig
 
 from fastdecode.engine import Engine, EngineOptions, RotaryLayer
 from fastdecode.families import Family, kv_geometry
-from fastdecode.fast_linear import FastLinear
+from fastdecode.fast_linear import FastLinear, packed_copy
 
 LEAN_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")
 LEAN_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
@@ -91,21 +89,6 @@ def _lean_layers(config: PretrainedConfig, layers: Sequence[nn.Module]) -> list[
     return lean
 
 
-def _packed_copies(layers: Sequence[nn.Module], groups: dict[str, list[FastLinear]]) -> list[nn.Module]:
-    """Inference copies of HF layers with every ``nn.Linear`` swapped for a ``FastLinear`` (added to
-    ``groups`` by shape, for calibration)."""
-    copies = []
-    for layer in layers:
-        twin = inference_copy(layer)
-        for name, mod in list(twin.named_modules()):
-            if isinstance(mod, nn.Linear):
-                fast = FastLinear.fuse([mod])
-                twin.set_submodule(name, fast)
-                groups[f"{mod.out_features}x{mod.in_features}"].append(fast)
-        copies.append(twin)
-    return copies
-
-
 def build_engine(
     model: nn.Module,
     layers: Sequence[nn.Module],
@@ -128,7 +111,7 @@ def build_engine(
                 groups[name].append(lin)
         norm = (final_norm.weight.detach(), final_norm.variance_epsilon)
     elif options.fast_linear:
-        run = _packed_copies(layers, groups)
+        run = [packed_copy(layer, groups) for layer in layers]
     else:
         run = list(layers)
     head = FastLinear.fuse([model.get_output_embeddings()]) if options.fast_linear else None
@@ -139,13 +122,6 @@ def build_engine(
     engine.plan_all(dict(groups))
     engine.build_seconds = time.perf_counter() - start
     return engine
-
-
-def inference_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module``'s module tree sharing its parameters and buffers (nothing is duplicated), whose
-    submodules can be swapped without touching the original."""
-    memo = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
-    return copy.deepcopy(module, memo)
 
 
 def lean_range(layers: list[nn.Module], windows: tuple, keys: tuple) -> Callable:

@@ -24,9 +24,11 @@ Nothing here is ever trained: with gradients enabled the plain ``F.linear`` runs
 
 from __future__ import annotations
 
+import copy
+import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +76,7 @@ class FastLinear(nn.Module):
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.out_features, self.in_features = self.weight.shape
-        self._sources = list(sources)
+        self._sources = [p for p in sources if not p.is_inference()]  # (those keep no version counter)
         self._versions = [p._version for p in self._sources]
         self.packed: dict[str, torch.Tensor] = {}
         self.plan: tuple[str, ...] = ()
@@ -143,6 +145,25 @@ class FastLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, plan={'/'.join(self.plan) or 'linear'}"
+
+
+def inference_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s module tree sharing its parameters and buffers (nothing is duplicated), whose
+    submodules can be swapped without touching the original."""
+    memo = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    return copy.deepcopy(module, memo)
+
+
+def packed_copy(module: nn.Module, groups: MutableMapping[str, list[FastLinear]]) -> nn.Module:
+    """An inference copy of ``module`` with every ``nn.Linear`` swapped for a ``FastLinear`` over the same
+    weights, each appended to ``groups["<out>x<in>"]`` (one list per shape: what ``calibrate`` plans)."""
+    twin = inference_copy(module)
+    for name, mod in list(twin.named_modules()):
+        if isinstance(mod, nn.Linear):
+            fast = FastLinear.fuse([mod])
+            twin.set_submodule(name, fast)
+            groups.setdefault(f"{mod.out_features}x{mod.in_features}", []).append(fast)
+    return twin
 
 
 # --------------------------------------------------------------------------------------------------------

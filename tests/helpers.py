@@ -14,6 +14,7 @@ import math
 import random
 import socket
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -300,3 +301,29 @@ def assert_drafted_and_accepted(out, *context) -> None:
     accepted. An equality test alone would pass with drafting off (every round a plain step)."""
     drafted, accepted = sum(out.drafted), sum(out.accepted)
     assert drafted > 0 and accepted > 0, (*context, f"drafted {drafted}, accepted {accepted}")
+
+
+PAD = (1, 4, 4, 6, 6, 6)  # T = 1..6 positions verified as these many (``CostModel.run_length``)
+
+
+def padded_verification(monkeypatch) -> list[tuple[int, int]]:
+    """Make every speculative call price with the estimated costs, but verify T = 1..6 positions as ``PAD``
+    (what a measured cost model asks where a larger T ran cheaper); returns the ``(k + 1, run)`` pairs the
+    verifications were given, appended as they happen."""
+    from fastdecode.cost import estimate_costs
+    from fastdecode.decoding import drafters, speculative
+
+    def costs(m, source, *, batch=1):
+        est = estimate_costs(m)
+        return replace(est, tokens=(1, 2, 3, 4, 5, 6), layer=est.layer * 6, head=est.head * 6, pad=PAD)
+
+    seen: list[tuple[int, int]] = []
+    real = speculative.verify
+
+    def verify(m, cache, r, draft, features=(), *, run=0):
+        seen.append((draft.k + 1, run))
+        return real(m, cache, r, draft, features, run=run)
+
+    monkeypatch.setattr(drafters, "cost_model", costs)
+    monkeypatch.setattr(speculative, "verify", verify)
+    return seen

@@ -24,6 +24,7 @@ from fastdecode.cost import (
     expected_tokens,
     lower_envelope,
     measure_costs,
+    pad_lengths,
 )
 from fastdecode.exit_adapter import INDEX_FILE, build_adapter, load_adapter, save_adapter
 from fastdecode.model import EarlyExitModel
@@ -155,6 +156,28 @@ def test_a_chain_is_expected_to_gain_over_lookup_alone_only_where_lookup_takes_p
     time_alone = q * GPU.verify(round(LOOKUP_PRIOR.width) + 1) + (1 - q)
     assert chained == pytest.approx((q * t + 1 - q) / (time_alone - (1 - q) * (1 - 1 / 1.5)))
     assert LOOKUP_PRIOR.speedup(GPU, fallback=1.0) == pytest.approx(alone)
+    # a fallback that costs something in the lookup's own rounds (an EAGLE-3 head writing its rows) pays it
+    ride = LOOKUP_PRIOR.speedup(GPU, fallback=1.5, ride=0.1)
+    assert ride == pytest.approx((q * t + 1 - q) / (time_alone + q * 0.1 - (1 - q) * (1 - 1 / 1.5)))
+
+
+def test_a_verification_runs_as_a_larger_t_only_where_that_measured_cheaper():
+    """``pad_lengths``: T=2 measured slower than T=3 and T=4 (oneDNN's two-row kernels on some CPUs) runs as
+    the cheapest larger T; within the margin (noise) T stays; ``run_length`` answers per T, T itself beyond
+    the probes and for models measured before pads existed."""
+    tokens = (1, 2, 3, 4, 5)
+    assert pad_lengths(tokens, [1.0, 1.45, 1.3, 1.15, 1.3]) == (1, 4, 4, 4, 5)
+    assert pad_lengths(tokens, [1.0, 1.1, 1.05, 1.2, 1.3]) == (1, 2, 3, 4, 5)  # 5% cheaper: noise, kept
+    m = lively_model("tiny-llama")
+    slow_two = {1: 1.0, 2: 1.5, 4: 1.1}
+
+    def timer(name, fn, device):
+        return slow_two[name[1]] * (1.0 if name[0] == "layers" else 0.01)
+
+    costs = measure_costs(m, (1, 2, 4), timer=timer)
+    assert costs.pad == (1, 4, 4) and [costs.run_length(t) for t in (1, 2, 3, 4, 9)] == [1, 4, 3, 4, 9]
+    assert costs.verify(2) == pytest.approx(costs.verify(4))  # the price of what it runs
+    assert CPU.run_length(2) == 2  # no pads recorded
 
 
 def test_replayed_rounds_price_an_exit_below_its_iid_acceptance():
@@ -200,8 +223,8 @@ def test_a_recorded_adapter_is_read_without_loading_it(tmp_path):
 
 
 def test_measured_costs_take_the_lower_envelope_of_disturbed_probes():
-    """Timing noise only adds time, and a forward over more tokens never costs less: a probe slower than a
-    larger T's was disturbed, and its cost is lowered to the larger T's (issue 19's B run timed one layer
+    """Timing noise only adds time: a probe slower than a larger T's was disturbed (or runs as that T,
+    ``pad_lengths``), and its cost is lowered to the larger T's (issue 19's B run timed one layer
     over 1 token above 2 tokens; a running maximum copied that to every T and hid the verification's cost)."""
     assert lower_envelope([0.030, 0.025, 0.032, 0.029, 0.033]) == [0.025, 0.025, 0.029, 0.029, 0.033]
     assert lower_envelope([]) == [] and lower_envelope([1.0]) == [1.0]

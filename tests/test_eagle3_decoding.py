@@ -34,6 +34,7 @@ from tests.helpers import (
     assert_drafted_and_accepted,
     exact_joint,
     lively_model,
+    padded_verification,
     pair_pvalues,
     random_prompts,
     tiny_model,
@@ -126,6 +127,24 @@ def test_eagle3_greedy_equals_autoregressive(name):
     # verification read the features of the right positions (a shift by one drops this to 0.8 on tiny-llama).
     learnt = DECODERS["eagle3"](m, prompts[:8], base)
     assert learnt.tokens == ref[:8] and learnt.acceptance_rate > 0.9, learnt.acceptance_rate
+
+
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_padded_verification_changes_no_token_and_no_feature(engine, monkeypatch):
+    """Verifications run longer than the draft (``CostModel.run_length``, copies of the last draft after it):
+    output equal to autoregressive decoding, alone and chained, and the head's rows still read the features
+    of the right positions (its chains on the text it learnt stay right: > 0.9 accepted)."""
+    seen = padded_verification(monkeypatch)
+    m = target("tiny-llama")
+    path, prompts = head_dir(m), mixed_prompts(m)
+    base = DecodeConfig(max_new_tokens=16, draft_tokens=3, costs="estimated", drafter=path, **ENGINES[engine])
+    ref = autoregressive(m, prompts, replace(base, **REFERENCE)).tokens
+    for chain in (False, True):
+        out = DECODERS["eagle3"](m, prompts, replace(base, chain=chain, policy="constant"))
+        assert out.tokens == ref, chain
+    learnt = DECODERS["eagle3"](m, prompts[:8], replace(base, policy="constant"))
+    assert learnt.tokens == ref[:8] and learnt.acceptance_rate > 0.9, learnt.acceptance_rate
+    assert {(t, run) for t, run in seen} >= {(4, 6), (2, 4)}  # drafts of 3, and shorter ones near the end
 
 
 @pytest.mark.parametrize("engine", ["hf", "static"])
@@ -224,8 +243,8 @@ def test_generate_drafts_with_the_head_and_auto_plans_it_from_its_record(tmp_pat
     assert result.ids == ref and result.method == "eagle3"
     assert_drafted_and_accepted(result.output)
     assert all(c.method != "eagle3" for c in fd.plan(1, costs="estimated", drafter=str(path)).candidates)
-    rounds = {1: 1.9, 2: 2.7, 3: 3.4, 4: 4.0}
-    write_record(path, AcceptanceRecord([DrafterRecord("eagle3", 0.9, tokens_per_round=rounds)]))
+    rounds = {1: 1.97, 2: 2.9, 3: 3.8, 4: 4.7, 5: 5.5, 6: 6.3}
+    write_record(path, AcceptanceRecord([DrafterRecord("eagle3", 0.97, tokens_per_round=rounds)]))
     fd = FastDecoder(m.hf, tiny_model("tiny-llama")[1], m=m)  # a new one: plans are kept per decoder
     plan = fd.plan(1, costs="estimated", drafter=str(path))
     assert plan.best.method == "eagle3" and plan.best.options["drafter"] == str(path), plan

@@ -21,7 +21,7 @@ from fastdecode.eagle3 import (
     vocab_maps_agree,
 )
 from fastdecode.eagle3_files import Eagle3FileError, load_eagle3, save_eagle3
-from fastdecode.eagle3_layer import Eagle3KV, apply_rope, rope_cos_sin, ttt_mask
+from fastdecode.eagle3_layer import Eagle3KV, StaticKV, apply_rope, rope_cos_sin, ttt_mask
 from fastdecode.errors import UserError
 
 H, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, DRAFT = 32, 4, 2, 8, 64, 50, 20
@@ -137,6 +137,27 @@ def test_past_kv_equals_whole_sequence():
         for i in (4, 5, 6)
     ]
     torch.testing.assert_close(torch.cat(steps, 1), whole[:, 4:], atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_static_kv_equals_the_block_list_through_growth_and_rollback():
+    """Decoding's preallocated keys (``StaticKV``, grown past its first 64 slots, rolled back by the length
+    pointer) give the head exactly what the list of blocks gives it."""
+    head = random_head()
+    embeds, features, positions = inputs(t=80)
+    blocks, static = Eagle3KV(), StaticKV()
+    for start, end in [(0, 60), (60, 70), (70, 75), (75, 80)]:
+        part = (embeds[:, start:end], features[:, start:end], positions[:, start:end])
+        want = head(*part, kv=blocks)
+        got = head(*part, kv=static)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if end == 75:  # drop the last five and write them again
+            blocks.crop(70)
+            static.crop(70)
+            torch.testing.assert_close(head(*part, kv=static), head(*part, kv=blocks), atol=1e-5, rtol=1e-5)
+    assert len(static) == len(blocks) == 80 and static.keys.shape[2] == 128
+    with pytest.raises(ValueError, match="cannot crop"):
+        static.crop(81)
 
 
 def test_ttt_mask_layout():

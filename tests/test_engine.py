@@ -89,6 +89,26 @@ def test_fused_projection_is_the_side_by_side_outputs():
     assert fused.stale()
 
 
+def test_engine_packs_a_drafter_beside_the_model_once():
+    """``Engine.packed``: a copy of a module run beside the model (a drafter's head) with packed linears over
+    the same weights (outputs equal), built once per module; the module itself without ``fast_linear``."""
+    m = _fresh("tiny-llama")
+    drafter = nn.Sequential(nn.Linear(16, 48), nn.SiLU(), nn.Linear(48, 8, bias=False))
+    x = torch.randn(3, 16)
+    engine = m.use_engine(default_options(m.device, fast_linear=True))
+    with torch.inference_mode():
+        packed = engine.packed(drafter)
+        assert packed is engine.packed(drafter) and packed is not drafter
+        assert [type(mod) for mod in packed] == [FastLinear, nn.SiLU, FastLinear]
+        assert packed[0].weight.data_ptr() == drafter[0].weight.data_ptr()  # shared, not copied
+        assert all(mod.plan for mod in packed if isinstance(mod, FastLinear))
+        for rows in (1, 3):
+            torch.testing.assert_close(packed(x[:rows]), drafter(x[:rows]), rtol=1e-5, atol=1e-6)
+    assert isinstance(drafter[0], nn.Linear)  # the original is untouched
+    plain = m.use_engine(EngineOptions(fast_linear=False))
+    assert plain.packed(drafter) is drafter
+
+
 # --------------------------------------------------------------------------------------------------------
 # Engine layers against HF's layers
 def _fresh(name: str) -> EarlyExitModel:

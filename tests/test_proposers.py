@@ -29,6 +29,7 @@ from tests.helpers import (
     draft_model,
     exact_joint,
     lively_model,
+    padded_verification,
     pair_pvalues,
     perturbed_adapter,
     random_prompts,
@@ -226,6 +227,24 @@ def test_ngram_drafting_on_every_execution_path(engine):
             assert sum(out.drafted) > 0, name
             accepted[name] += sum(out.accepted)
     assert all(accepted.values()), accepted
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-opt"])
+def test_padded_verification_equals_autoregressive(name, monkeypatch):
+    """Verifications padded past the draft (``CostModel.run_length``) change no token: prompt lookup and a
+    draft model, every policy, ragged batches (rows that accept fewer drafts leave holes before the padding)."""
+    seen = padded_verification(monkeypatch)
+    prompts = random_prompts(8, seed=44)
+    for m in (EarlyExitModel(tiny_model(name)[0]), lively_model(name, 0.1)):
+        base = DecodeConfig(max_new_tokens=16, draft_tokens=4, eos_token_id=m.config.eos_token_id)
+        ref = autoregressive(m, prompts, replace(base, **REFERENCE)).tokens
+        for policy in POLICIES:
+            assert DECODERS["prompt_lookup"](m, prompts, replace(base, policy=policy)).tokens == ref, policy
+    assert any(run > t for t, run in seen)
+    target, draft = assisted_target(), draft_model("copy")
+    cfg = DecodeConfig(max_new_tokens=12, draft_tokens=3)
+    ref = autoregressive(target, prompts, replace(cfg, **REFERENCE)).tokens
+    assert DECODERS["assisted"](target, prompts, cfg, draft=draft).tokens == ref
 
 
 def test_chain_with_an_adapter_and_with_a_draft_model_equals_autoregressive(tmp_path):

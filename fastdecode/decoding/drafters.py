@@ -72,7 +72,9 @@ class Offer:
     drafted token (None: not recorded, not plannable); ``tokens_per_round``: per draft length K, the tokens a
     round yields, replayed exactly (empty: i.i.d. from ``acceptance``); ``token_cost``: one drafted token and
     ``depth``: the target blocks its drafts leave run, both for ``CostModel.round_cost``; ``round_cost``:
-    a kind whose rounds are priced otherwise (a separate draft model) sets it."""
+    a kind whose rounds are priced otherwise (a separate draft model) sets it; ``ride_cost``: what the
+    drafter costs in a chain's round that prompt lookup drafted (an EAGLE-3 head still writes its rows for
+    the kept tokens), in plain decoding steps."""
 
     drafter: str
     options: dict
@@ -82,6 +84,7 @@ class Offer:
     exit_layer: int | None = None
     tokens_per_round: dict[int, float] = field(default_factory=dict)
     round_cost: Callable[[int], float] | None = None
+    ride_cost: float = 0.0
 
     def cost(self, costs: CostModel, drafted: int) -> float:
         """A round of ``drafted`` tokens and their verification, in plain decoding steps."""

@@ -24,10 +24,9 @@ from fastdecode.config import ConfigError
 from fastdecode.cost import PROBE_CONTEXT, CostModel, block_parameters, timed
 from fastdecode.decoding.common import DecodeConfig
 from fastdecode.decoding.drafters import Offer, PlanInputs, ProposerKind, Setup
-from fastdecode.decoding.eagle3_proposer import Eagle3Proposer
+from fastdecode.decoding.eagle3_proposer import Eagle3Proposer, HeadRows
 from fastdecode.eagle3 import FEATURES, Eagle3Config, Eagle3Head
 from fastdecode.eagle3_files import CONFIG_FILE, WEIGHTS_FILE, load_eagle3, read_eagle3_config
-from fastdecode.eagle3_layer import Eagle3KV
 from fastdecode.file_cache import FileCache
 from fastdecode.model import EarlyExitModel
 
@@ -98,10 +97,13 @@ def head_token_cost(costs: CostModel, m: EarlyExitModel, head: Eagle3Head) -> fl
 def measure_head(
     m: EarlyExitModel, head: Eagle3Head, *, batch: int = 1, repeats: int = HEAD_REPEATS
 ) -> float:
-    """Seconds of one drafted token of ``head`` on ``batch`` rows attending to ``PROBE_CONTEXT`` cached head
-    rows: the least of ``repeats`` timings after an untimed one. Kept on the model per head shape, dtype,
-    batch, thread count and device (what it depends on: the weights' values do not change it)."""
-    cfg = head.config
+    """Seconds of one drafted token as ``Eagle3Proposer`` drafts it: a row added to ``HeadRows`` (the head
+    run as the model's engine runs linears) attending to ``PROBE_CONTEXT`` earlier rows, then its argmax over
+    the draft vocabulary mapped to a target id; the least of ``repeats`` timings after an untimed one. Kept
+    on the model per head shape, dtype, batch, thread count, device and engine (the weights' values do not
+    change it)."""
+    cfg, engine = head.config, m.engine
+    build = engine.options.build_key if engine is not None else None
     key = (
         "eagle3_draft",
         repr(cfg),
@@ -110,22 +112,23 @@ def measure_head(
         torch.get_num_threads(),
         str(m.device),
     )
-    if key not in m.measurements:
-        device, dtype, context = head.fc.weight.device, head.fc.weight.dtype, PROBE_CONTEXT
+    if (*key, build) not in m.measurements:
+        device, dtype, context = m.device, head.fc.weight.dtype, PROBE_CONTEXT
+        rows = HeadRows(m, head)
         features = torch.randn(batch, context, FEATURES * cfg.target_hidden_size, device=device, dtype=dtype)
-        embeds = torch.randn(batch, context + 1, cfg.hidden_size, device=device, dtype=dtype)
+        tokens = torch.randint(cfg.vocab_size, (batch, context + 1), device=device)
         positions = torch.arange(context + 1, device=device)[None].expand(batch, -1)
-        kv = Eagle3KV()
-        _, hidden = head(embeds[:, :context], features, positions[:, :context], kv)
+        on = torch.ones(batch, context + 1, dtype=torch.bool, device=device)
+        _, hidden = rows.add(tokens[:, :context], features, positions[:, :context], on[:, :context])
 
         def draft() -> None:
-            logits, _ = head(embeds[:, context:], hidden[:, -1:], positions[:, context:], kv)
-            kv.crop(context)
-            logits.softmax(-1).argmax(-1)
+            logits, _ = rows.add(tokens[:, context:], hidden[:, -1:], positions[:, context:], on[:, context:])
+            rows.crop(context)
+            head.draft_to_target(logits[:, -1].argmax(-1))
 
         seconds = [timed(("eagle3_draft",), draft, device) for _ in range(repeats + 1)]
-        m.measurements[key] = min(seconds[1:])
-    return m.measurements[key]
+        m.measurements[(*key, build)] = min(seconds[1:])
+    return m.measurements[(*key, build)]
 
 
 def build(s: Setup) -> Eagle3Proposer:
@@ -147,8 +150,9 @@ def offers(p: PlanInputs) -> list[Offer]:
     check_head(cfg, p.m, p.drafter)
     token = head_token_cost(p.costs, p.m, load_head(p.drafter, p.m))
     options = {"drafter": str(p.drafter), "exit_layer": None, "adapter": None, "draft_vocab": None}
-    d = found[0]  # a round of k drafts: k head passes (``Eagle3Proposer.round_cost``) and the verification
-    return [Offer(NAME, options, d.acceptance, token, 0, None, d.tokens_per_round)]
+    d = found[0]  # a round of k drafts: k head passes (``Eagle3Proposer.round_cost``) and the verification;
+    # a round prompt lookup drafted in a chain: one head pass (the kept tokens' rows, ``Eagle3Proposer.update``)
+    return [Offer(NAME, options, d.acceptance, token, 0, None, d.tokens_per_round, ride_cost=token)]
 
 
 KIND = ProposerKind(NAME, build, check=check, chainable=True, offers=offers)

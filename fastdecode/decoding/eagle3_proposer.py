@@ -8,8 +8,9 @@ captured by the verification: ``Proposer.feature_layers``, ``speculative.run_cap
 hidden state with the embedding of the token just drafted, at ``p + 1``, attending causally to every earlier
 head row: plain causal attention over the head's keys in position order is the training-time-test mask.
 
-Slots: the head's keys and values (``Eagle3KV``) follow the target cache's slot layout, with a validity mask
-of their own (left padding, position 0, the holes ragged rollbacks leave). One round, ``t`` the last accepted
+Slots: the head's keys and values (``HeadRows``: a ``StaticKV``) follow the target cache's slot layout,
+with a validity mask of their own (left padding, position 0, the holes ragged rollbacks leave). The head
+runs as the target's engine runs linears (``Engine.packed``: packed kernels, planned per shape). One round, ``t`` the last accepted
 token at slot ``s`` (``Round.start``)::
 
     propose: drafts d1..dk from the row of t at slot s (written by the last ``update``; after the prefill
@@ -19,7 +20,8 @@ token at slot ``s`` (``Round.start``)::
     update:  in one head pass, rows of the kept drafts d1..d_a at s+1..s+a with the real features of t,
              d1..d_{a-1} (rows that kept fewer than the batch's longest get holes, as in the target's
              cache) and the row of the verifier's token after them with the features of d_a: the next
-             round's first draft. A round of k drafts thus costs k head passes.
+             round's first draft. A round of k drafts thus costs k head passes (a dynamic policy's stop is
+             read before the next row's pass, which a stopped draft never needs).
 
 Drafts score the head's draft vocabulary, mapped to target ids (``d2t``); when sampling, q is the head's
 distribution after the target's logits processing, zero outside that vocabulary: lossless.
@@ -35,8 +37,46 @@ from fastdecode.decoding.policies import LaggedFlag
 from fastdecode.decoding.proposers import Proposer, one_hot, pick_token
 from fastdecode.decoding.speculative import Draft, Round, Verdict, run_capturing
 from fastdecode.eagle3 import Eagle3Head
-from fastdecode.eagle3_layer import Eagle3KV, causal_mask
+from fastdecode.eagle3_layer import StaticKV, causal_mask
 from fastdecode.model import EarlyExitModel
+
+
+class HeadRows:
+    """The head's rows in the target cache's slot layout: keys and values (``StaticKV``) and which slots hold
+    a row (``valid [B, slots]``). ``m``: the target (its embedding, its position limit); ``head`` runs as
+    the target's engine runs linears (``Engine.packed``: packed kernels with ``fast_linear``)."""
+
+    def __init__(self, m: EarlyExitModel, head: Eagle3Head) -> None:
+        self.m = m
+        self.head = m.engine.packed(head) if m.engine is not None else head
+        self.kv = StaticKV()
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=m.device)
+
+    def __len__(self) -> int:
+        return len(self.kv)
+
+    def add(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for ``tokens [B, T]`` at the next ``T`` slots: ``hidden [B, T, F*H]`` target features (of the
+        positions before) or ``[B, T, H]`` the head's own output; ``positions [B, T]``; ``valid [B, T]``
+        bool: rows later queries may attend to. -> ``(logits [B, T, S], hidden [B, T, H])``."""
+        past, steps = len(self.kv), tokens.shape[1]
+        self.valid = torch.cat([self.valid[:, :past], valid], 1) if past else valid
+        keys = self.valid[:, None, None, :] & causal_mask(steps, past, tokens.device)  # [B, 1, T, past + T]
+        if steps > 1:  # a query whose row is invalid still sees its own key (never a query with no key)
+            own = torch.zeros_like(keys[0, 0])
+            own[:, past:] = torch.eye(steps, dtype=torch.bool, device=tokens.device)
+            keys = keys | own
+        else:
+            keys[..., past] = True
+        pos = positions.clamp(max=self.m.config.max_position_embeddings - 1)
+        return self.head(self.m.token_embed(tokens), hidden, pos, self.kv, keys)
+
+    def crop(self, slots: int) -> None:
+        """Keep the first ``slots`` slots (drop the rows drafting wrote)."""
+        self.kv.crop(slots)
+        self.valid = self.valid[:, :slots]
 
 
 class Eagle3Proposer(Proposer):
@@ -60,32 +100,11 @@ class Eagle3Proposer(Proposer):
         self.feature_layers = tuple(head.config.aux_layer_ids)
         draft_ids = torch.arange(head.config.draft_vocab_size, device=m.device)
         self.vocab = head.draft_to_target(draft_ids)  # [S] target ids of the head's columns
-        self.kv = Eagle3KV()
-        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=m.device)  # [B, slots]: rows that exist
+        self.head_rows = HeadRows(m, head)
         self.prev: torch.Tensor | None = None  # [B, F*H]: features of the token before each row's last
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the row of the next round's t
         self.retired = False
         self.flag = LaggedFlag(m.device)
-
-    # -- the head's rows ----------------------------------------------------------------------------------
-    def rows(
-        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Head rows for ``tokens [B, T]`` at the next ``T`` slots: ``hidden [B, T, F*H]`` target features
-        (of the positions before) or ``[B, T, H]`` the head's own output; ``positions [B, T]``; ``valid
-        [B, T]`` bool: rows later queries may attend to. -> ``(logits [B, T, S], hidden [B, T, H])``."""
-        past, steps = len(self.kv), tokens.shape[1]
-        self.valid = torch.cat([self.valid[:, :past], valid], 1)
-        keys = self.valid[:, None, None, :] & causal_mask(steps, past, tokens.device)  # [B, 1, T, past + T]
-        own = torch.zeros_like(keys[0, 0])
-        own[:, past:] = torch.eye(steps, dtype=torch.bool, device=tokens.device)  # never a query with no key
-        pos = positions.clamp(max=self.m.config.max_position_embeddings - 1)
-        return self.head(self.m.token_embed(tokens), hidden, pos, self.kv, keys | own)
-
-    def crop(self, slots: int) -> None:
-        """Keep the head's first ``slots`` slots (drop the rows drafting wrote)."""
-        self.kv.crop(slots)
-        self.valid = self.valid[:, :slots]
 
     def start(self, m: EarlyExitModel, prompts: list[list[int]], capacity: int) -> Prefill:
         """Prefill the target, capturing the prompt's features, and the head's rows for the prompt."""
@@ -96,9 +115,9 @@ class Eagle3Proposer(Proposer):
         hidden, features = run_capturing(
             m, m.embed(ids, positions), 0, positions, cache, layers=self.feature_layers
         )
-        self.kv, self.valid = Eagle3KV(), valid[:, :0]  # (a chain may have retired it already: kept)
+        self.head_rows = HeadRows(m, self.head)  # (a chain may have retired it already: kept)
         before = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)  # features at p - 1
-        self.rows(ids, before, positions, valid & (positions > 0))
+        self.head_rows.add(ids, before, positions, valid & (positions > 0))
         self.prev, self.pending = features[:, -1], None
         lengths = torch.tensor([len(p) for p in prompts], device=m.device)
         return Prefill(cache, lengths, m.exit_logits(hidden[:, -1]))
@@ -106,26 +125,27 @@ class Eagle3Proposer(Proposer):
     def last_row(self, r: Round) -> tuple[torch.Tensor, torch.Tensor]:
         """The row of ``r.last`` at slot ``r.start``, from the features of the token before it."""
         on = torch.ones_like(r.active)[:, None]
-        return self.rows(r.last[:, None], self.prev[:, None], r.positions[:, None], on)
+        return self.head_rows.add(r.last[:, None], self.prev[:, None], r.positions[:, None], on)
 
     # -- drafting -----------------------------------------------------------------------------------------
     def propose(self, r: Round) -> Draft:
-        """Drafts up to ``r.limit`` tokens; a dynamic policy's stop flag is read one token late (``LaggedFlag``,
-        after the next row's pass was launched: no stall)."""
+        """Drafts up to ``r.limit`` tokens. A dynamic policy's stop flag is read before the next row's pass:
+        unlike a self-speculative draft, whose last token must pass the draft layers anyway, that pass is
+        wasted when the draft stops (``update`` writes the kept rows from the target's features)."""
         passes = 1  # this round's ``update`` pass (which also writes the next round's row of t)
         if self.pending is None:
             self.pending, passes = self.last_row(r), passes + 1
         (logits, hidden), self.pending = self.pending, None
-        base, cfg, policy, flag = len(self.kv), self.cfg, self.policy, self.flag
-        tokens, probs = [], []
+        rows, cfg, policy, flag = self.head_rows, self.cfg, self.policy, self.flag
+        base, tokens, probs = len(rows), [], []
         on = torch.ones_like(r.active)[:, None]
         flag.reset()
         for i in range(r.limit):
             if i:  # the row of the token just drafted, on the head's own hidden state
-                logits, hidden = self.rows(tokens[-1][:, None], hidden, (r.positions + i)[:, None], on)
-                passes += 1
                 if not flag.read():
                     break
+                logits, hidden = rows.add(tokens[-1][:, None], hidden, (r.positions + i)[:, None], on)
+                passes += 1
             token, q, confidence = pick_token(
                 logits[:, -1],
                 cfg,
@@ -138,7 +158,7 @@ class Eagle3Proposer(Proposer):
             probs.append(q)
             if policy.dynamic:
                 flag.push(policy.keep_drafting(confidence, r.active))
-        self.crop(base)
+        rows.crop(base)
         batch, live = r.last.shape[0], int(r.active.sum())
         drafted = torch.stack(tokens, 1) if tokens else r.last.new_zeros(batch, 0)
         q_all = None
@@ -175,7 +195,7 @@ class Eagle3Proposer(Proposer):
         valid = torch.cat(
             [offsets[None, :] < kept[:, None], torch.ones_like(kept, dtype=torch.bool)[:, None]], 1
         )
-        logits, out = self.rows(tokens, hidden, positions, valid)
+        logits, out = self.head_rows.add(tokens, hidden, positions, valid)
         self.pending = (logits[:, -1:], out[:, -1:])
 
     def token_cost(self) -> float:

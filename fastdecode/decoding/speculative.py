@@ -211,23 +211,35 @@ def run_capturing(
 
 
 def verify(
-    m: EarlyExitModel, cache: KVCache, r: Round, draft: Draft, features: tuple[int, ...] = ()
+    m: EarlyExitModel,
+    cache: KVCache,
+    r: Round,
+    draft: Draft,
+    features: tuple[int, ...] = (),
+    *,
+    run: int = 0,
 ) -> torch.Tensor:
     """Target logits ``[B, k+1, V]`` at ``[t, d1..dk]``: layers ``[draft.depth, L)`` on the hidden states the
     proposer hands over, or (``draft.hidden`` None) every layer from the embeddings; the k+1 slots are valid
     only for the active rows (finished rows write slots nobody attends to). ``features``: the hidden-state
-    ids the proposer reads (``Proposer.feature_layers``), captured into ``draft.features`` on the way."""
+    ids the proposer reads (``Proposer.feature_layers``), captured into ``draft.features`` on the way.
+    ``run``: the positions the forward runs from the embeddings when more than k+1 (``CostModel.run_length``):
+    copies of the last draft fill the rest, after the real positions (causal: they change nothing before
+    them), their outputs dropped and their slots beyond what ``rollback`` keeps."""
     k = draft.k
-    pos = (r.positions[:, None] + torch.arange(k + 1, device=m.device)).clamp(
+    hidden, depth = draft.hidden, draft.depth
+    width = max(run, k + 1) if hidden is None else k + 1
+    pos = (r.positions[:, None] + torch.arange(width, device=m.device)).clamp(
         max=m.config.max_position_embeddings - 1
     )
-    hidden, depth = draft.hidden, draft.depth
     if hidden is None:
         ids = torch.cat([r.last[:, None], draft.tokens], 1)  # [B, k+1]
+        ids = torch.cat([ids, ids[:, -1:].expand(-1, width - k - 1)], 1)  # [B, width]
         cache.reserve(r.active[:, None].expand_as(ids), r.start, pos)
         hidden, depth = m.embed(ids, pos), 0
-    hidden, draft.features = run_capturing(m, hidden, depth, pos, cache, layers=features)
-    return m.exit_logits(hidden)
+    hidden, found = run_capturing(m, hidden, depth, pos, cache, layers=features)
+    draft.features = None if found is None else found[:, : k + 1]
+    return m.exit_logits(hidden)[:, : k + 1]
 
 
 def speculate(
@@ -253,7 +265,8 @@ def speculate(
         r = Round(last, positions, rows.active_mask(m.device), limit, rows, cache.lengths[0])
         policy.begin()
         draft = proposer.propose(r)
-        logits = verify(m, cache, r, draft, proposer.feature_layers)
+        run = proposer.costs.run_length(draft.k + 1) if proposer.costs is not None else 0
+        logits = verify(m, cache, r, draft, proposer.feature_layers, run=run)
         verdict = accept(logits, draft, cfg, generator=generator)
         done, kept = settle(
             rows, out, draft=draft, verdict=verdict, caches=[cache, *proposer.caches()], start=r.start
