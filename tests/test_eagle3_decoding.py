@@ -4,6 +4,7 @@ chi-square test) and the checks on the head directory."""
 
 from __future__ import annotations
 
+import math
 import shutil
 from dataclasses import replace
 
@@ -16,14 +17,14 @@ from fastdecode.api import FastDecoder
 from fastdecode.bench.config import plan as speed_plan
 from fastdecode.config import ConfigError
 from fastdecode.cost import estimate_costs
-from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig, LookupOptions
+from fastdecode.decoding import DECODERS, POLICIES, PROPOSERS, DecodeConfig, LookupOptions
 from fastdecode.decoding import eagle3 as eagle3_kind
 from fastdecode.decoding.autoregressive import generate as autoregressive
 from fastdecode.decoding.common import Rows, prefill
 from fastdecode.decoding.eagle3 import head_token_cost, load_head
 from fastdecode.decoding.eagle3_proposer import Eagle3Proposer
 from fastdecode.decoding.policies import POLICIES as POLICY_CLASSES
-from fastdecode.decoding.speculative import Draft, Round, verify
+from fastdecode.decoding.speculative import Draft, Round, Settled, verify
 from fastdecode.eagle3 import Eagle3Config, Eagle3Head
 from fastdecode.eagle3_files import WEIGHTS_FILE, Eagle3FileError, save_eagle3
 from fastdecode.eagle3_layer import Eagle3KV
@@ -276,6 +277,28 @@ def test_a_drafted_token_costs_one_head_forward_timed_once_per_head_shape(monkey
     proposer.head_cost = 0.2
     # each round: the drafts, the verification, and one more head pass (the row of the verifier's token)
     assert proposer.round_cost(3) == pytest.approx(3 * 0.2 + measured.verify(4))
+
+
+def test_a_chain_books_the_heads_passes_in_the_lookups_rows():
+    """The head writes the kept tokens' rows in every round the lookup drafted (``ride_cost``, one head pass):
+    the chain's judge books that cost against it, so a head that barely pays on its own rows is retired once
+    enough lookup rounds have paid for keeping it up."""
+    m = target("tiny-llama")
+    cfg = DecodeConfig(max_new_tokens=8, chain=True, costs="estimated", drafter=head_dir(m))
+    chain = PROPOSERS["eagle3"].proposer(m, random_prompts(1, seed=54), cfg, torch.Generator())
+    ride = chain.fallback.ride_cost()
+    assert ride == chain.fallback.token_cost() > 0
+    own = Draft(torch.zeros(1, 1, dtype=torch.long), lengths=[1], sources=["eagle3"])
+    for _ in range(16):  # its own rows: 2 tokens for round_cost(1) < 2 steps each: it pays
+        chain.judge(own, Settled(accepted=[1], kept=[1], lengths=[1]))
+    margin = chain.books.gained - chain.books.spent
+    assert not chain.retired and margin > 0
+    looked_up = Draft(torch.zeros(1, 2, dtype=torch.long), lengths=[2], sources=["prompt_lookup"])
+    rounds = 0
+    while not chain.retired:
+        chain.judge(looked_up, Settled(accepted=[2], kept=[2], lengths=[2]))
+        rounds += 1
+    assert chain.books.judged == 16 and rounds == math.floor(margin / ride) + 1
 
 
 def test_the_speed_benchmark_hands_its_drafter_to_the_eagle3_method(tmp_path):

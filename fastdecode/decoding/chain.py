@@ -24,7 +24,8 @@ CARRY = 0.75  # the weight earlier calls' evidence keeps at each new call (``Boo
 @dataclass
 class Books:
     """A chain judge's books on its fallback: the row-rounds it drafted, the tokens they yielded (accepted +
-    the verifier's own) and the plain decoding steps they cost (``round_cost``)."""
+    the verifier's own) and the plain decoding steps they cost (``round_cost``, and its ``ride_cost`` in the
+    lookup's rows)."""
 
     judged: float = 0.0
     gained: float = 0.0
@@ -68,7 +69,8 @@ class ChainProposer(Proposer):
 
     The fallback drafts only while it pays on this call's text: once it has drafted ``judge_after`` row-rounds
     and the tokens those rounds yielded (accepted + the verifier's own) fall short of the plain decoding steps
-    they cost (``round_cost``, ``fastdecode/cost.py``; a plain step is what prompt lookup alone takes there),
+    they cost (``round_cost``, ``fastdecode/cost.py``; a plain step is what prompt lookup alone takes there;
+    plus what keeping up costs it in the lookup's rows, ``Proposer.ride_cost``: an EAGLE-3 head's rows),
     it is retired for the rest of the call. Rows the lookup does not match then take a plain step: through the
     drafter's layers when they are the target's own (self-speculation: that is part of the verification),
     without the fallback at all when it keeps a cache of its own (a separate draft model stops running). A
@@ -151,9 +153,13 @@ class ChainProposer(Proposer):
         """Book the fallback's rows of the round; retire it once it yields fewer tokens than it costs."""
         books = self.books
         for source, accepted, drafted in zip(draft.sources, done.accepted, draft.row_lengths(), strict=True):
-            if source == self.fallback.name and accepted is not None:
+            if accepted is None:
+                continue
+            if source == self.fallback.name:
                 books.judged += 1
                 books.gained += accepted + 1
                 books.spent += self.fallback.round_cost(drafted)
+            else:  # the lookup's row: the fallback adds nothing there but what it costs to keep up
+                books.spent += self.fallback.ride_cost()
         if books.against(self.judge_after):
             self.retire()

@@ -151,7 +151,7 @@ def offers(p: PlanInputs) -> list[Offer]:
     token = head_token_cost(p.costs, p.m, load_head(p.drafter, p.m))
     options = {"drafter": str(p.drafter), "exit_layer": None, "adapter": None, "draft_vocab": None}
     d = found[0]  # a round of k drafts: k head passes (``Eagle3Proposer.round_cost``) and the verification;
-    # a round prompt lookup drafted in a chain: one head pass (the kept tokens' rows, ``Eagle3Proposer.update``)
+    # a round prompt lookup drafted in a chain: one head pass (``Eagle3Proposer.ride_cost``)
     return [Offer(NAME, options, d.acceptance, token, 0, None, d.tokens_per_round, ride_cost=token)]
 
 

@@ -201,6 +201,9 @@ class Eagle3Proposer(Proposer):
     def token_cost(self) -> float:
         return self.head_cost
 
+    def ride_cost(self) -> float:
+        return self.head_cost  # ``update`` writes the kept tokens' rows: one head pass
+
     def round_cost(self, drafted: int) -> float:
         # one head pass per drafted token: the first is the last round's catch-up pass (``update``)
         return self.costs.round_cost(drafted, self.head_cost, 0)

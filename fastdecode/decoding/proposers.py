@@ -74,6 +74,11 @@ class Proposer:
         """A round of ``drafted`` tokens and their verification, in plain decoding steps."""
         return self.costs.round_cost(drafted, self.token_cost(), self.depth)
 
+    def ride_cost(self) -> float:
+        """What this drafter costs in a chain's round that prompt lookup drafted (its state kept up to date),
+        in plain decoding steps; ``drafters.Offer.ride_cost`` plans with the same."""
+        return 0.0
+
     def marginal_costs(self, max_tokens: int) -> list[float]:
         """``[j]``: what the (j+1)-th drafted token adds to a round (what ``adaptive`` weighs)."""
         span = max(max_tokens, MARGINAL_SPAN)
