@@ -130,10 +130,12 @@ class Eagle3LM(nn.Module):
         final: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         lengths: torch.Tensor | None = None,
+        scored_items: torch.Tensor | None = None,
         **unused: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        """The TTT loss (the mean over step 0's scored positions of ``sum_k decay**k * loss_k``) of a batch of
-        cached records, or (``labels`` and ``lengths`` given: online mode) of conversations."""
+        """The TTT loss (``sum_k decay**k * loss_k`` summed over step 0's scored positions, divided by their
+        count: this batch's, or ``scored_items``, the whole accumulated batch's, ``step0_items``) of a batch
+        of cached records, or (``labels`` and ``lengths`` given: online mode) of conversations."""
         if labels is not None:
             found = self.online_records(input_ids, labels, lengths)
             input_ids, hidden = found["input_ids"], found["hidden"]
@@ -149,7 +151,18 @@ class Eagle3LM(nn.Module):
             prev_correct=cfg["prev_correct"],
         )
         self.last_metrics = {k: v for k, v in metrics.items() if not k.startswith("count")}
-        return {"loss": loss_sum / max(count, 1)}
+        return {"loss": loss_sum / (scored_items if scored_items is not None else max(count, 1))}
+
+
+def step0_items(batch: dict[str, Any]) -> torch.Tensor:
+    """The positions step 0 of ``ttt_loss`` scores in a collated batch: scored positions ``p >= 1`` (a
+    score needs the token at ``p + 1`` and a head row before it), from the cached records' ``cols`` or, online,
+    from the labels inside each row's length (``feature_records.scored_positions``)."""
+    if "cols" in batch:
+        return (batch["cols"] >= 1).sum()
+    labels, lengths = batch["labels"], batch["lengths"]
+    inside = torch.arange(labels.shape[1], device=labels.device)[None] < lengths[:, None]
+    return ((labels != IGNORE_INDEX) & inside)[:, 2:].sum()
 
 
 def _to(value: Any, device: torch.device) -> Any:

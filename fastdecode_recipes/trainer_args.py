@@ -123,12 +123,28 @@ def _check_ranges(values: dict[str, Any]) -> None:
         )
 
 
+def _check_fsdp(values: dict[str, Any]) -> None:
+    """FSDP through the Trainer needs accelerators: accelerate builds its FSDP plugin for GPU-type distributed
+    states only, so on CPUs the run would train with plain DDP, unsharded, without a word."""
+    if not values.get("fsdp"):
+        return
+    import torch
+
+    if values.get("use_cpu") or not torch.cuda.is_available():
+        raise ConfigError(
+            f"trainer.fsdp={values['fsdp']!r} needs GPUs: on CPUs accelerate does not enable FSDP and the "
+            "Trainer would silently train with DDP instead. Drop trainer.fsdp here, or shard with "
+            "deepspeed=zero3 (which runs on CPU processes too)."
+        )
+
+
 def check_trainer_values(trainer: dict[str, Any]) -> dict[str, Any]:
     """Return the ``trainer`` group with every value checked against its TrainingArguments field; raise
     ConfigError naming the first bad key. Keys must already be TrainingArguments fields."""
     hints = _hints()
     values = {key: _typed(key, value, hints.get(key, Any)) for key, value in trainer.items()}
     _check_ranges(values)
+    _check_fsdp(values)
     max_steps = values.get("max_steps", -1)
     if max_steps <= 0:  # Hugging Face reads this as "use epochs": say so, a typo like max_steps=0 is silent
         log.info(

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 import fastdecode_recipes
 from eagle3_train.losses import ttt_loss
+from eagle3_train.module import step0_items
 from eagle3_train.report import leading_matches
 from fastdecode.acceptance import read_record, replay_leads
 from fastdecode.config import ConfigError
@@ -20,6 +21,7 @@ from fastdecode.eagle3 import Eagle3Config, Eagle3Head
 from fastdecode.eagle3_files import load_eagle3
 from fastdecode.eagle3_layer import Eagle3KV
 from fastdecode.model import EarlyExitModel
+from fastdecode.tokens import IGNORE_INDEX
 from tests.helpers import tiny_model
 from tests.job_configs import LIVELY, train_cfg
 
@@ -95,6 +97,37 @@ def test_online_mode_computes_the_features_per_batch(tmp_path):
     assert summary["features"] == {"mode": "online"} and not (tmp_path / "run" / "features").exists()
     assert summary["export_check"]["abs_diff"] == 0 and summary["metrics"]["train_loss"] > 0
     assert load_eagle3(final)[1].draft_vocab_size == 200 and read_record(final) is None
+
+
+@pytest.mark.parametrize("mode", ["cache", "online"])
+def test_gradient_accumulation_trains_like_one_large_batch(tmp_path, mode):
+    """4 answers in 1 micro-batch == 2 x 2: every micro-batch's loss is divided by the scored positions of the
+    whole step (``step0_items``, counted by the trainer before any micro-batch runs), not by its own."""
+    online = ("recipe.features.mode=online", "recipe.features.source=data") if mode == "online" else ()
+    runs = {}
+    for batch, accum in ((4, 1), (2, 2)):
+        out = tmp_path / f"b{batch}"
+        extra = (
+            f"trainer.per_device_train_batch_size={batch}",
+            f"trainer.gradient_accumulation_steps={accum}",
+        )
+        extra += ("trainer.max_steps=2", "trainer.save_steps=2", "recipe.report.enabled=false", *online)
+        fastdecode_recipes.run(eagle3_cfg(out, *extra))
+        state = json.loads((out / "run" / "checkpoint-2" / "trainer_state.json").read_text())
+        runs[batch] = [v for h in state["log_history"] if "loss" in h for v in (h["loss"], h["grad_norm"])]
+    assert len(runs[4]) == 4 and runs[4] == pytest.approx(
+        runs[2], rel=1e-4
+    )  # step 2: step 1's update matched
+
+
+def test_step0_items_counts_what_the_loss_scores():
+    """The trainer's count of a batch (``step0_items``) is the count ``ttt_loss`` divides by: cached records
+    (``cols``) and online conversations (labels inside each row's length) alike."""
+    labels = torch.full((2, 9), IGNORE_INDEX)
+    labels[0, 3:7], labels[1, 1:9] = 5, 6  # row 1: label at index 1 (p = 0, never scored); row 1 is 6 long
+    assert int(step0_items({"labels": labels, "lengths": torch.tensor([9, 6])})) == 4 + 4
+    cols = torch.tensor([0, 1, 2, 5, 0, 3])
+    assert int(step0_items({"cols": cols})) == 4
 
 
 def test_a_run_resumes_from_its_checkpoint(tmp_path):

@@ -371,6 +371,10 @@ def test_a_damaged_model_that_cannot_be_converted_names_the_directory(converted,
         (["trainer.use_cpu=maybe"], r"trainer\.use_cpu: expected true/false"),
         (["trainer.save_steps=0"], r"trainer\.save_steps=0: must be > 0"),
         (["trainer.max_steps=-1", "+trainer.num_train_epochs=0"], r"'train for num_train_epochs'.*=0"),
+        (
+            ["+trainer.fsdp=full_shard", "trainer.use_cpu=true"],
+            r"trainer\.fsdp='full_shard' needs GPUs.*zero3",
+        ),
     ],
 )
 def test_trainer_values_are_typed_before_anything_loads(tmp_path, monkeypatch, overrides, message):
