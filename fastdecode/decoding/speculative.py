@@ -250,7 +250,10 @@ def speculate(
     The proposer prefills (its own caches too), then every round: draft, verify, accept, settle. ``steps``
     counts rounds; ``layers_run``/``layer_calls`` count the drafting and the verification.
     """
-    capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + cfg.draft_tokens + 1
+    widest = cfg.draft_tokens + 1  # a verification's positions, padded as ``verify``'s ``run`` may be
+    if proposer.costs is not None:
+        widest = max(proposer.costs.run_length(t) for t in range(1, widest + 1))
+    capacity = max(len(p) for p in prompts) + cfg.max_new_tokens + widest
     state: Prefill = proposer.start(m, prompts, capacity)
     cache, positions = state.cache, state.positions
     policy = new_policy(cfg, proposer.marginal_costs(cfg.draft_tokens))
