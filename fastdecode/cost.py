@@ -23,9 +23,9 @@ Two sources:
   calibrated kernels, the cache), the least disturbed of interleaved rounds, then the lower envelope over T
   (timing noise only adds time). A forward over more tokens can cost less (oneDNN's two-row kernels on some
   CPUs): a full-depth verification then runs as that larger T (``pad_lengths``, ``CostModel.run_length``,
-  applied by ``decoding/speculative.verify``), so the envelope's price is what it pays. Measured once per model,
-  machine, engine, thread count and batch size, and kept on disk (``fastdecode/cost_store.py``), so a new
-  process reads it instead of timing again. On a CPU a forward over T new tokens is far from free (the
+  applied by ``decoding/speculative.verify``), so the envelope's price is what it pays. Measured once per
+  model, machine, engine, thread count and batch size, and kept on disk (``fastdecode/cost_store.py``), so a
+  new process reads it instead of timing again. On a CPU a forward over T new tokens is far from free (the
   kernels' cost steps up with T), and the choices must see that.
 - ``estimated`` (``estimate_costs``): the weights each part reads, the memory-bound model of a GPU at batch 1
   (a forward costs the same for every small T). The fallback when nothing can be timed.
@@ -58,9 +58,6 @@ log = logging.getLogger(__name__)
 SOURCES = ("measured", "estimated")
 PROBE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # T values timed; others are interpolated / extrapolated
 PROBE_CONTEXT = 128  # cached tokens the timed forwards attend to
-PAD_MARGIN = (
-    0.1  # a verification runs as a larger T (``pad_lengths``) only when that measured this much cheaper
-)
 
 
 @dataclass(frozen=True)

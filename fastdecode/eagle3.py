@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastdecode.cache import KVCache
 from fastdecode.config import ConfigError
-from fastdecode.eagle3_layer import Eagle3KV, Eagle3Layer, RMSNorm, StaticKV, rope_cos_sin
+from fastdecode.eagle3_layer import Eagle3KV, Eagle3Layer, RMSNorm, rope_cos_sin
 
 FEATURES = 3  # target hidden states the head reads per position (low, middle, high)
 
@@ -226,7 +227,7 @@ class Eagle3Head(nn.Module):
         embeds: torch.Tensor,
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
-        kv: Eagle3KV | StaticKV | None = None,
+        kv: Eagle3KV | KVCache | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass of the head over ``T`` positions -> ``(logits [B, T, draft_vocab_size], hidden [B, T, H])``.
@@ -235,8 +236,8 @@ class Eagle3Head(nn.Module):
         target's features ``[B, T, 3 * Ht]`` (fused here) or a fused feature / the head's own earlier output
         hidden ``[B, T, H]``. ``position_ids [B, T]``: the RoPE positions (the caller's convention; the
         trainer and the proposer must agree). ``kv``: the keys and values of earlier calls, extended with
-        this call's (``Eagle3KV``); ``attn_mask``: bool ``[T, S + T]`` or ``[B, 1, T, S + T]``, True where a
-        query may attend (default: all ``S`` cached keys and causal among the new ones; see
+        this call's (``Eagle3KV``, or a one-layer ``KVCache`` when decoding); ``attn_mask``: bool
+        ``[T, S + T]`` or ``[B, 1, T, S + T]``, True where a query may attend (default: all ``S`` cached keys and causal among the new ones; see
         ``fastdecode/eagle3_layer.py``). The returned ``hidden`` is the layer's output before the final
         norm: what the next draft step feeds back.
         """

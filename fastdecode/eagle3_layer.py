@@ -1,7 +1,8 @@
 """The parts of an EAGLE-3 head (Li et al., 2025): RMSNorm, Llama rotary positions, the head's keys and
-values (``Eagle3KV`` for training, a list of blocks autograd can follow; ``StaticKV`` for decoding,
-preallocated, rolled back by a length pointer) and its one decoder layer (``Eagle3Layer``), written here rather than borrowed from
-Hugging Face, so the head needs no model internals (``fastdecode/eagle3.py`` assembles them).
+values (``Eagle3KV`` for training, a list of blocks autograd can follow; decoding passes a
+``fastdecode.cache.KVCache`` of one layer instead) and its one decoder layer (``Eagle3Layer``), written
+here rather than borrowed from Hugging Face, so the head needs no model internals (``fastdecode/eagle3.py``
+assembles them).
 
 The decoder layer differs from a Llama layer in one place: its q/k/v projections read ``2H`` inputs,
 ``cat([input_layernorm(embedding), hidden_norm(fused)])``, and the residual stream starts from the fused
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdecode.cache import KVCache
 from fastdecode.engine import rms_norm
 
 
@@ -64,8 +66,9 @@ class Eagle3KV:
     """The head's keys and values so far, as blocks in the order they were written.
 
     ``keys[i]``/``values[i]``: ``[B, num_key_value_heads, S_i, head_dim]``, keys already rotated. A forward
-    appends one block per call; ``len(kv)`` is the total ``S``. ``crop(n)`` keeps the first ``n``
-    positions (a rollback after a verification rejected the rest).
+    appends one block per call (``update``: the protocol of ``fastdecode.cache.KVCache``, which decoding
+    passes instead: preallocated, rolled back by a length pointer); ``len(kv)`` is the total ``S``.
+    ``crop(n)`` keeps the first ``n`` positions (a rollback after a verification rejected the rest).
     """
 
     keys: list[torch.Tensor] = field(default_factory=list)
@@ -74,9 +77,13 @@ class Eagle3KV:
     def __len__(self) -> int:
         return sum(k.shape[2] for k in self.keys)
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, layer_idx: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``k``/``v`` ``[B, Hkv, T, D]``; return every key and value so far, ``[B, Hkv, S, D]``."""
         self.keys.append(k)
         self.values.append(v)
+        return self.concatenated()
 
     def concatenated(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(K, V)``, each ``[B, Hkv, S, D]``, or None while empty."""
@@ -92,48 +99,6 @@ class Eagle3KV:
         if both is None or length == len(self):
             return
         self.keys, self.values = [both[0][:, :, :length]], [both[1][:, :, :length]]
-
-
-class StaticKV:
-    """The head's keys and values for decoding, in preallocated buffers: ``[B, Hkv, capacity, D]`` each,
-    grown by doubling. ``append`` writes at the length pointer; ``crop(n)`` moves the pointer back (a
-    rollback, nothing copied). Same interface as ``Eagle3KV``; inference only (the writes are in place)."""
-
-    def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.length = 0
-
-    def __len__(self) -> int:
-        return self.length
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        end = self.length + k.shape[2]
-        if self.keys is None or end > self.keys.shape[2]:
-            grown = max(end, 2 * (0 if self.keys is None else self.keys.shape[2]), 64)
-            keys, values = (
-                k.new_empty(*k.shape[:2], grown, k.shape[3]),
-                v.new_empty(*v.shape[:2], grown, v.shape[3]),
-            )
-            if self.keys is not None:
-                keys[:, :, : self.length] = self.keys[:, :, : self.length]
-                values[:, :, : self.length] = self.values[:, :, : self.length]
-            self.keys, self.values = keys, values
-        self.keys[:, :, self.length : end] = k
-        self.values[:, :, self.length : end] = v
-        self.length = end
-
-    def concatenated(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(K, V)``, each ``[B, Hkv, S, D]`` (views of the buffers), or None while empty."""
-        if self.keys is None or not self.length:
-            return None
-        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
-
-    def crop(self, length: int) -> None:
-        """Keep the first ``length`` positions (``0 <= length <= len(self)``)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot crop {self.length} cached positions to {length}")
-        self.length = length
 
 
 def causal_mask(new: int, past: int, device: torch.device | None = None) -> torch.Tensor:
@@ -170,7 +135,7 @@ class Eagle3Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv: Eagle3KV | StaticKV | None = None,
+        kv: Eagle3KV | KVCache | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x [B, T, 2H]`` -> ``[B, T, H]`` under the module docstring's contract."""
@@ -180,8 +145,7 @@ class Eagle3Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv is not None:
-            kv.append(k, v)
-            k, v = kv.concatenated()
+            k, v = kv.update(k, v, 0)
         if attn_mask is None:
             attn_mask = causal_mask(t, k.shape[2] - t, x.device)
         if attn_mask.shape[-2:] != (t, k.shape[2]):
@@ -233,7 +197,7 @@ class Eagle3Layer(nn.Module):
         embeds: torch.Tensor,
         hidden: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv: Eagle3KV | StaticKV | None = None,
+        kv: Eagle3KV | KVCache | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``embeds [B, T, H]``, ``hidden [B, T, H]`` (fused feature or the head's own output) -> the

@@ -10,9 +10,8 @@ from typing import Any
 
 import torch
 
-PAD_MARGIN = (
-    0.1  # a verification runs as a larger T (``pad_lengths``) only when that measured this much cheaper
-)
+# a verification runs as a larger T (``pad_lengths``) only when that measured this much cheaper
+PAD_MARGIN = 0.1
 
 
 Timer = Callable[[tuple, Callable[[], Any], torch.device], float]

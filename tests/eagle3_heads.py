@@ -42,8 +42,8 @@ def continuations(m: EarlyExitModel, count: int, seed: int, width: int = 8, new:
     return torch.tensor([p + o for p, o in zip(prompts, out, strict=True)])
 
 
-def head_config(m: EarlyExitModel, draft_vocab_size: int) -> Eagle3Config:
-    return Eagle3Config.from_target(m.config, draft_vocab_size=draft_vocab_size)
+def head_config(m: EarlyExitModel, draft_vocab_size: int, **options) -> Eagle3Config:
+    return Eagle3Config.from_target(m.config, draft_vocab_size=draft_vocab_size, **options)
 
 
 def training_sequences(m: EarlyExitModel, seed: int = 0) -> torch.Tensor:
@@ -52,14 +52,14 @@ def training_sequences(m: EarlyExitModel, seed: int = 0) -> torch.Tensor:
     return continuations(m, 16, seed)
 
 
-def train_head(m: EarlyExitModel, *, steps: int = 150, seed: int = 0) -> Eagle3Head:
+def train_head(m: EarlyExitModel, *, steps: int = 150, seed: int = 0, **options) -> Eagle3Head:
     """A head trained ``steps`` Adam steps on ``training_sequences(m)`` (it learns them by heart: its drafts
     on their prefixes are accepted); its draft vocabulary is the tokens of those sequences (a subset of the
-    target's: drafts map draft ids to target ids)."""
+    target's: drafts map draft ids to target ids). ``options``: ``Eagle3Config`` fields."""
     torch.manual_seed(seed)
     ids = training_sequences(m, seed)
     seen = ids.unique().tolist()
-    head = Eagle3Head(head_config(m, len(seen)))
+    head = Eagle3Head(head_config(m, len(seen), **options))
     head.set_draft_vocab(seen)
     batch = target_batch(m, ids, head.config.aux_layer_ids)
     optimizer = torch.optim.Adam(head.parameters(), lr=3e-3)

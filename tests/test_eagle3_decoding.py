@@ -130,6 +130,23 @@ def test_eagle3_greedy_equals_autoregressive(name):
     assert learnt.tokens == ref[:8] and learnt.acceptance_rate > 0.9, learnt.acceptance_rate
 
 
+def test_a_head_in_the_sglang_dialect_decodes_like_its_speculators_twin(tmp_path):
+    """A SpecForge / SGLang directory (``midlayer.*``, a flat Llama config) drafts here: lossless, and the
+    same drafts as the same head read from the speculators dialect."""
+    m = target("tiny-llama")
+    head = train_head(m, norm_before_residual=False)  # the layer SGLang runs: exported in both dialects
+    path = save_eagle3(head, head.config, tmp_path / "head", verifier_name="tiny")
+    assert (path / "sglang" / "config.json").is_file()
+    prompts = mixed_prompts(m)
+    base = DecodeConfig(max_new_tokens=16, draft_tokens=3, costs="estimated", policy="constant")
+    ref = autoregressive(m, prompts, replace(base, **REFERENCE)).tokens
+    speculators = DECODERS["eagle3"](m, prompts, replace(base, drafter=str(path)))
+    sglang = DECODERS["eagle3"](m, prompts, replace(base, drafter=str(path / "sglang")))
+    assert sglang.tokens == ref and sglang.accepted == speculators.accepted
+    learnt = DECODERS["eagle3"](m, prompts[:8], replace(base, drafter=str(path / "sglang")))
+    assert learnt.acceptance_rate > 0.9, learnt.acceptance_rate  # prompts[:8]: text the head learnt
+
+
 @pytest.mark.parametrize("engine", ["hf", "static"])
 def test_padded_verification_changes_no_token_and_no_feature(engine, monkeypatch):
     """Verifications run longer than the draft (``CostModel.run_length``, copies of the last draft after it):

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
+from fastdecode.cache import KVCache
 from fastdecode.eagle3 import (
     Eagle3Config,
     Eagle3ConfigError,
@@ -21,7 +22,7 @@ from fastdecode.eagle3 import (
     vocab_maps_agree,
 )
 from fastdecode.eagle3_files import Eagle3FileError, load_eagle3, save_eagle3
-from fastdecode.eagle3_layer import Eagle3KV, StaticKV, apply_rope, rope_cos_sin, ttt_mask
+from fastdecode.eagle3_layer import Eagle3KV, apply_rope, rope_cos_sin, ttt_mask
 from fastdecode.errors import UserError
 
 H, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, DRAFT = 32, 4, 2, 8, 64, 50, 20
@@ -140,24 +141,22 @@ def test_past_kv_equals_whole_sequence():
 
 
 @torch.inference_mode()
-def test_static_kv_equals_the_block_list_through_growth_and_rollback():
-    """Decoding's preallocated keys (``StaticKV``, grown past its first 64 slots, rolled back by the length
-    pointer) give the head exactly what the list of blocks gives it."""
+def test_a_decoding_cache_equals_the_block_list_through_growth_and_rollback():
+    """Decoding's preallocated keys (a one-layer ``KVCache``, grown past its first 64 slots, rolled back by
+    the length pointer) give the head exactly what the training's list of blocks gives it."""
     head = random_head()
     embeds, features, positions = inputs(t=80)
-    blocks, static = Eagle3KV(), StaticKV()
+    blocks, cache = Eagle3KV(), KVCache(1, 2, KV_HEADS, HEAD_DIM, 64, torch.float32, "cpu")
     for start, end in [(0, 60), (60, 70), (70, 75), (75, 80)]:
         part = (embeds[:, start:end], features[:, start:end], positions[:, start:end])
         want = head(*part, kv=blocks)
-        got = head(*part, kv=static)
+        got = head(*part, kv=cache)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         if end == 75:  # drop the last five and write them again
             blocks.crop(70)
-            static.crop(70)
-            torch.testing.assert_close(head(*part, kv=static), head(*part, kv=blocks), atol=1e-5, rtol=1e-5)
-    assert len(static) == len(blocks) == 80 and static.keys.shape[2] == 128
-    with pytest.raises(ValueError, match="cannot crop"):
-        static.crop(81)
+            cache.crop(70)
+            torch.testing.assert_close(head(*part, kv=cache), head(*part, kv=blocks), atol=1e-5, rtol=1e-5)
+    assert cache.lengths[0] == len(blocks) == 80 and cache.capacity == 128
 
 
 def test_ttt_mask_layout():

@@ -103,7 +103,6 @@ def measure_head(
     on the model per head shape, dtype, batch, thread count, device and engine (the weights' values do not
     change it)."""
     cfg, engine = head.config, m.engine
-    build = engine.options.build_key if engine is not None else None
     key = (
         "eagle3_draft",
         repr(cfg),
@@ -111,10 +110,11 @@ def measure_head(
         batch,
         torch.get_num_threads(),
         str(m.device),
+        engine.options.build_key if engine is not None else None,
     )
-    if (*key, build) not in m.measurements:
+    if key not in m.measurements:
         device, dtype, context = m.device, head.fc.weight.dtype, PROBE_CONTEXT
-        rows = HeadRows(m, head)
+        rows = HeadRows(m, head, batch, context + 1)
         features = torch.randn(batch, context, FEATURES * cfg.target_hidden_size, device=device, dtype=dtype)
         tokens = torch.randint(cfg.vocab_size, (batch, context + 1), device=device)
         positions = torch.arange(context + 1, device=device)[None].expand(batch, -1)
@@ -127,8 +127,8 @@ def measure_head(
             head.draft_to_target(logits[:, -1].argmax(-1))
 
         seconds = [timed(("eagle3_draft",), draft, device) for _ in range(repeats + 1)]
-        m.measurements[(*key, build)] = min(seconds[1:])
-    return m.measurements[(*key, build)]
+        m.measurements[key] = min(seconds[1:])
+    return m.measurements[key]
 
 
 def build(s: Setup) -> Eagle3Proposer:

@@ -8,10 +8,10 @@ captured by the verification: ``Proposer.feature_layers``, ``speculative.run_cap
 hidden state with the embedding of the token just drafted, at ``p + 1``, attending causally to every earlier
 head row: plain causal attention over the head's keys in position order is the training-time-test mask.
 
-Slots: the head's keys and values (``HeadRows``: a ``StaticKV``) follow the target cache's slot layout,
-with a validity mask of their own (left padding, position 0, the holes ragged rollbacks leave). The head
-runs as the target's engine runs linears (``Engine.packed``: packed kernels, planned per shape). One round, ``t`` the last accepted
-token at slot ``s`` (``Round.start``)::
+Slots: the head's keys and values (``HeadRows``: a one-layer ``KVCache``) follow the target cache's slot
+layout, with a validity mask of their own (left padding, position 0, the holes ragged rollbacks leave). The head
+runs as the target's engine runs linears (``Engine.packed``: packed kernels, planned per shape). One round,
+``t`` the last accepted token at slot ``s`` (``Round.start``)::
 
     propose: drafts d1..dk from the row of t at slot s (written by the last ``update``; after the prefill
              or a chain's own draft, computed here from the features of the token before t) and from rows
@@ -31,29 +31,31 @@ from __future__ import annotations
 
 import torch
 
+from fastdecode.cache import KVCache
 from fastdecode.cost import CostModel
 from fastdecode.decoding.common import DecodeConfig, Prefill, left_pad
 from fastdecode.decoding.policies import LaggedFlag
 from fastdecode.decoding.proposers import Proposer, one_hot, pick_token
 from fastdecode.decoding.speculative import Draft, Round, Verdict, run_capturing
 from fastdecode.eagle3 import Eagle3Head
-from fastdecode.eagle3_layer import StaticKV, causal_mask
+from fastdecode.eagle3_layer import causal_mask
 from fastdecode.model import EarlyExitModel
 
 
 class HeadRows:
-    """The head's rows in the target cache's slot layout: keys and values (``StaticKV``) and which slots hold
-    a row (``valid [B, slots]``). ``m``: the target (its embedding, its position limit); ``head`` runs as
-    the target's engine runs linears (``Engine.packed``: packed kernels with ``fast_linear``)."""
+    """The head's rows in the target cache's slot layout: a one-layer ``KVCache`` of ``batch`` rows and
+    ``capacity`` slots (its ``key_valid``: which slots hold a row; rollback: its length pointer). ``m``: the
+    target (its embedding, its position limit); ``head`` runs as the target's engine runs linears
+    (``Engine.packed``: packed kernels with ``fast_linear``)."""
 
-    def __init__(self, m: EarlyExitModel, head: Eagle3Head) -> None:
+    def __init__(self, m: EarlyExitModel, head: Eagle3Head, batch: int, capacity: int) -> None:
         self.m = m
         self.head = m.engine.packed(head) if m.engine is not None else head
-        self.kv = StaticKV()
-        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=m.device)
+        cfg = head.config
+        self.cache = KVCache(1, batch, cfg.num_key_value_heads, cfg.head_dim, capacity, m.dtype, m.device)
 
     def __len__(self) -> int:
-        return len(self.kv)
+        return self.cache.lengths[0]
 
     def add(
         self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
@@ -61,22 +63,18 @@ class HeadRows:
         """Rows for ``tokens [B, T]`` at the next ``T`` slots: ``hidden [B, T, F*H]`` target features (of the
         positions before) or ``[B, T, H]`` the head's own output; ``positions [B, T]``; ``valid [B, T]``
         bool: rows later queries may attend to. -> ``(logits [B, T, S], hidden [B, T, H])``."""
-        past, steps = len(self.kv), tokens.shape[1]
-        self.valid = torch.cat([self.valid[:, :past], valid], 1) if past else valid
-        keys = self.valid[:, None, None, :] & causal_mask(steps, past, tokens.device)  # [B, 1, T, past + T]
-        if steps > 1:  # a query whose row is invalid still sees its own key (never a query with no key)
-            own = torch.zeros_like(keys[0, 0])
-            own[:, past:] = torch.eye(steps, dtype=torch.bool, device=tokens.device)
-            keys = keys | own
-        else:
-            keys[..., past] = True
+        past, steps = len(self), tokens.shape[1]
+        self.cache.reserve(valid, past, positions)
+        valid_keys = self.cache.key_valid[:, None, None, : past + steps]
+        keys = valid_keys & causal_mask(steps, past, tokens.device)  # [B, 1, T, past + T]
+        # a query whose row is invalid still sees its own key (never a query with no key)
+        keys[..., past:] |= torch.eye(steps, dtype=torch.bool, device=tokens.device)
         pos = positions.clamp(max=self.m.config.max_position_embeddings - 1)
-        return self.head(self.m.token_embed(tokens), hidden, pos, self.kv, keys)
+        return self.head(self.m.token_embed(tokens), hidden, pos, self.cache, keys)
 
     def crop(self, slots: int) -> None:
         """Keep the first ``slots`` slots (drop the rows drafting wrote)."""
-        self.kv.crop(slots)
-        self.valid = self.valid[:, :slots]
+        self.cache.crop(slots)
 
 
 class Eagle3Proposer(Proposer):
@@ -100,7 +98,7 @@ class Eagle3Proposer(Proposer):
         self.feature_layers = tuple(head.config.aux_layer_ids)
         draft_ids = torch.arange(head.config.draft_vocab_size, device=m.device)
         self.vocab = head.draft_to_target(draft_ids)  # [S] target ids of the head's columns
-        self.head_rows = HeadRows(m, head)
+        self.head_rows: HeadRows | None = None  # built by ``start``
         self.prev: torch.Tensor | None = None  # [B, F*H]: features of the token before each row's last
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the row of the next round's t
         self.retired = False
@@ -115,7 +113,7 @@ class Eagle3Proposer(Proposer):
         hidden, features = run_capturing(
             m, m.embed(ids, positions), 0, positions, cache, layers=self.feature_layers
         )
-        self.head_rows = HeadRows(m, self.head)  # (a chain may have retired it already: kept)
+        self.head_rows = HeadRows(m, self.head, batch, cache.capacity)  # (a chain may have retired it: kept)
         before = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)  # features at p - 1
         self.head_rows.add(ids, before, positions, valid & (positions > 0))
         self.prev, self.pending = features[:, -1], None
