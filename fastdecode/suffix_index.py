@@ -13,9 +13,11 @@ occurrence and is expanded into a real child when a second occurrence arrives or
 the index holds O(tokens + repeated substrings) nodes, not O(tokens * max_depth). Appending a token costs
 O(max_depth) steps (one per start whose path is shorter than ``max_depth``), amortised.
 
-Drafts (``draft_chain``, ``draft_tree``) never go past a token of ``stop`` (the EOS ids): with
-``eos="before"`` (the default, as prompt lookup's) a stop token is never proposed, with ``"after"`` it is
-proposed and ends its branch. The file format is ``suffix_index_file.py``.
+Drafts (``draft_chain``, ``draft_tree``) never go past a token of ``stop`` (the EOS ids; a row stops there,
+so tokens after it could not count): with ``eos="before"`` (the default, as prompt lookup's) a stop token is
+never proposed (a chain whose most frequent next token is one ends there; a tree still offers its siblings),
+with ``"after"`` it is proposed and ends its branch. ``continuations`` lists stop tokens like any other.
+The file format is ``suffix_index_file.py``.
 """
 
 from __future__ import annotations
@@ -80,17 +82,12 @@ class SuffixIndex:
         self.root.count = 0
         self.keys: dict[Hashable, int] = {}  # sequence id -> key, oldest first
         self.tokens: dict[int, list[int]] = {}  # key -> the sequence's tokens
-        self.frontiers: dict[
-            int, list[SuffixNode]
-        ] = {}  # key -> a node on the path of each of the last starts
+        # key -> for each start whose path is under max_depth tokens (oldest first), a node on that path
+        self.frontiers: dict[int, list[SuffixNode]] = {}
         self.next_key = 0
 
     def __len__(self) -> int:
         return len(self.keys)
-
-    def sequence(self, seq_id: Hashable) -> list[int]:
-        """The tokens indexed for ``seq_id`` (a copy)."""
-        return list(self.tokens[self.keys[seq_id]])
 
     def add(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         """Index a new sequence ``tokens`` [T] under ``seq_id``; past ``max_sequences``, evict the oldest."""
@@ -138,7 +135,7 @@ class SuffixIndex:
 
     def _expand(self, node: SuffixNode) -> dict[int, SuffixNode]:
         if node.children is None:
-            key, end = node.ref  # type: ignore[misc]
+            key, end = node.ref
             node.ref, node.children = None, {}
             tokens = self.tokens[key]
             if node.depth < self.max_depth and end < len(tokens):
@@ -153,10 +150,10 @@ class SuffixIndex:
         for start in range(len(tokens)):
             node = self.root
             for token in tokens[start : start + self.max_depth]:
-                child = node.children[token]  # type: ignore[index]  # on our path: expanded unless count 1
+                child = node.children[token]  # on our path: expanded unless count 1
                 child.count -= 1
                 if child.count == 0:
-                    del node.children[token]  # type: ignore[union-attr]  # with its subtree: ours alone
+                    del node.children[token]  # with its subtree: ours alone
                     break
                 node = child
         del self.tokens[key], self.frontiers[key]
@@ -165,7 +162,7 @@ class SuffixIndex:
         """The node of ``pattern`` (at most ``max_depth`` tokens), None if it does not occur."""
         node: SuffixNode | None = self.root
         for token in pattern:
-            node = self._expand(node).get(int(token))  # type: ignore[arg-type]
+            node = self._expand(node).get(int(token))
             if node is None:
                 return None
         return node
@@ -260,7 +257,7 @@ class SuffixIndex:
             out["lengths"].append(len(self.tokens[key]))
             out["tokens"].extend(self.tokens[key])
         nodes = out["parent"], out["token"], out["count"], out["ref_seq"], out["ref_end"] = [], [], [], [], []
-        stack = [(-1, token, child) for token, child in reversed(self.root.children.items())]  # type: ignore[union-attr]
+        stack = [(-1, token, child) for token, child in reversed(self.root.children.items())]
         while stack:
             parent, token, node = stack.pop()
             index = len(nodes[0])
@@ -297,6 +294,6 @@ class SuffixIndex:
                 raise ValueError(f"node {len(nodes)} does not describe a node of an index")
             up = nodes[parent] if parent >= 0 else index.root
             ref = (ref_seq, ref_end) if ref_seq >= 0 else None
-            node = up.children[token] = SuffixNode(up.depth + 1, ref, count)  # type: ignore[index]
+            node = up.children[token] = SuffixNode(up.depth + 1, ref, count)
             nodes.append(node)
         return index

@@ -161,6 +161,8 @@ def test_a_tree_draft_is_wider_than_its_chain_where_continuations_branch():
     assert (tree.tokens, tree.parents) == ([2, 3, 4], [-1, 0, 0])
     assert tree.scores == pytest.approx([1.0, 2 / 3, 1 / 3])
     assert index.draft_tree([0, 1], 4, min_prob=0.5).tokens == [2, 3]
+    assert index.match([1, 2])[0] == 2 and index.match([1, 2], max_length=1)[0] == 1
+    assert index.match([9, 9])[0] == 0 and index.draft_chain([9], 4).tokens == [1, 2, 3]  # from the root
 
 
 @pytest.mark.parametrize("seed,vocab,depth", CASES[:8])
