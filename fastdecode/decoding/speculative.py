@@ -68,6 +68,10 @@ class Draft:
     # [B, k+1, F*H]: the target's hidden states at the proposer's ``feature_layers`` at [t, d], concatenated
     # in that order; filled by ``verify`` for a proposer that names feature layers (EAGLE-3), else None
     features: torch.Tensor | None = None
+    # [B, k] a token tree: each draft's parent among the k drafts (-1: the last accepted token t); a parent
+    # comes before its children, siblings carry distinct tokens; padding after a row's length hangs off t.
+    # None: a chain (draft j's parent is j - 1). Trees are deterministic drafts (``probs`` None or one-hot).
+    parents: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
