@@ -86,6 +86,14 @@ def tokenize_prompts(
     return prompts
 
 
+def with_corpus(options: dict, corpus: str, m: EarlyExitModel, tokenizer) -> dict:
+    """``options`` with ``decoder.suffix.corpus`` set to ``corpus``, checked against the model and tokenizer."""
+    from fastdecode.decoding.suffix_sources import corpus_fingerprint, corpus_index
+
+    corpus_index(corpus, m, fingerprint=corpus_fingerprint(tokenizer))
+    return options | {"suffix": dict(options.get("suffix") or {}) | {"corpus": corpus}}
+
+
 def build_runners(
     job: SpeedJob, methods: list[Method], m: EarlyExitModel, tokenizer, draft, *, auto=None
 ) -> dict[str, Any]:
@@ -101,6 +109,8 @@ def build_runners(
             from fastdecode.exit_adapter import load_adapter
 
             load_adapter(method.options["adapter"], m, tokenizer)
+        if job.corpus and (method.spec.decoder or method.name) == "suffix":  # foreign files fail here
+            method.options = with_corpus(method.options, job.corpus, m, tokenizer)
         if method.is_auto:
             runners[method.name] = AutoRunner(method, auto, job, m)
         elif method.spec.engine == "fastdecode":

@@ -4,10 +4,11 @@ index over earlier outputs, and a corpus index read from a file.
 - Global (SuffixDecoding, Oliaro et al., NeurIPS 2025: the "global tree"; Snowflake ArcticInference): the
   outputs of this process's earlier ``suffix`` calls on the same model, at most ``decoder.suffix.global_size``
   of them (the oldest evicted first). Held per model (weakly, on the Hugging Face module: a model that goes
-  away takes its index with it) and per index shape (depth, EOS ids, EOS rule), so two models never share
-  one. A call reads it and, when it ends, adds each row's output (``remember``). ``reset_global_index``
-  empties it: a benchmark must, after warm-up and between repeats, so no prompt's own answer is in it when
-  that prompt is decoded (``fastdecode/bench/measure.py``).
+  away takes its index with it), per index shape (depth, size, EOS ids, EOS rule) and per ``global_scope``
+  (a benchmark gives each method its own), so two models never share one. A call reads it and, when it
+  ends, adds each row's output (``remember``). ``reset_global_index`` empties it: a benchmark must, after
+  warm-up and before each pass over its prompts, so no prompt's own answer is in it when that prompt is
+  decoded (``fastdecode/bench/measure.py``).
 - Corpus: a suffix index file built once (``fastdecode-suffix-index``, ``fastdecode/suffix_index_file.py``),
   read only, loaded once per file version (``fastdecode/file_cache.py``). The decoder sees the model, not its
   tokenizer: it refuses a file built for a larger vocabulary than the model's or holding a token id the model
@@ -18,11 +19,13 @@ index over earlier outputs, and a corpus index read from a file.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import os
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,17 @@ _GLOBAL: weakref.WeakKeyDictionary[Any, dict[tuple, SuffixIndex]] = weakref.Weak
 _LOCK = threading.Lock()
 _IDS = itertools.count()
 _CORPUS = FileCache(maxsize=4)  # per file version, EOS ids and EOS rule
+_SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("suffix_global_scope", default=None)
+
+
+@contextlib.contextmanager
+def global_scope(name: str | None) -> Iterator[None]:
+    """Calls inside use the global indexes of scope ``name`` (None: the process's shared one)."""
+    token = _SCOPE.set(name)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
 
 
 def corpus_fingerprint(tokenizer: Any) -> dict:
@@ -51,7 +65,7 @@ def global_index(m: EarlyExitModel, options: SuffixOptions, stop: Iterable[int])
     if options.global_size == 0:
         return None
     stop = frozenset(int(t) for t in stop)
-    key = (options.max_depth, options.global_size, stop, options.eos)
+    key = (_SCOPE.get(), options.max_depth, options.global_size, stop, options.eos)
     with _LOCK:
         indexes = _GLOBAL.setdefault(m.hf, {})
         if key not in indexes:
