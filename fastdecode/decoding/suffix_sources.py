@@ -120,6 +120,8 @@ def corpus_index(
     A damaged, foreign or other-version file raises its ``SuffixIndexError`` subclass."""
     path = Path(path)
     stop = frozenset(int(t) for t in stop)
+    if not path.is_file():
+        read_header(path)  # raises NotASuffixIndexError, which says how to build one
     found, index, largest = _CORPUS.get([path], lambda: _load(path, stop, eos), key=(stop, eos))
     where = f"decoder.suffix.corpus={str(path)!r}"
     size = found.get("vocab_size") if isinstance(found, dict) else None
