@@ -16,7 +16,7 @@ from fastdecode.decoding import DECODERS, DecodeConfig, SuffixOptions
 from fastdecode.decoding import suffix as suffix_module
 from fastdecode.decoding.suffix_sources import corpus_fingerprint, corpus_index, reset_global_index
 from fastdecode.model import EarlyExitModel
-from fastdecode.suffix_index_file import SuffixIndexFingerprintError
+from fastdecode.suffix_index_file import NotASuffixIndexError, SuffixIndexFingerprintError
 from fastdecode_cli.suffix_index import run
 from tests.helpers import tiny_model
 from tests.job_configs import LIVELY, tiny_speed_cfg
@@ -124,3 +124,20 @@ def test_the_benchmark_never_drafts_a_prompt_its_own_answer(tmp_path, monkeypatc
     assert any(seen), "the global index was never used"
     for held, answers in zip(seen, outputs, strict=True):
         assert not held & set(answers)
+
+
+def test_the_benchmark_refuses_a_corpus_without_a_suffix_method_or_file(tmp_path, monkeypatch):
+    from eval.speed import run as run_speed
+
+    monkeypatch.setattr("fastdecode.loading.load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    built = build(tmp_path, [{"text": "abc abc"}])
+    cfg = tiny_speed_cfg(
+        tmp_path, "decoder=[autoregressive]", "hf_baseline=null", f"corpus={built['output']}"
+    )
+    with pytest.raises(ConfigError, match="read by the suffix methods only"):
+        run_speed(cfg)
+    missing = tiny_speed_cfg(
+        tmp_path, "decoder=[autoregressive,suffix]", "hf_baseline=null", f"corpus={tmp_path / 'none.sfx'}"
+    )
+    with pytest.raises(NotASuffixIndexError, match="cannot read it"):
+        run_speed(missing)
