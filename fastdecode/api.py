@@ -219,6 +219,7 @@ class FastDecoder:
         method: str = AUTO,
         streamer: Any = None,
         chat: bool | None = None,
+        corpus: str | None = None,
         **options: Any,
     ) -> GenerationResult:
         """Decode ``inputs``: a text, a list of texts, token ids (``[T]`` list or tensor), a batch of them
@@ -230,7 +231,10 @@ class FastDecoder:
         exit or an adapter. ``options``:
         ``DecodeConfig`` fields or their HF aliases (given ones override the plan's). ``chat``: render texts
         through the chat template (None: when the tokenizer has one). ``streamer``: an HF-style streamer
-        (``put(ids)``, ``end()``), batch 1 only."""
+        (``put(ids)``, ``end()``), batch 1 only. ``corpus``: a suffix index file (``fastdecode-suffix-index``)
+        for ``method="suffix"``, checked against this model's tokenizer first."""
+        if corpus is not None:
+            options = self._with_corpus(method, corpus, options)
         prompts, single = self._prompts(inputs, chat)
         candidate = None
         if method == AUTO and not {"exit_layer", "assistant_early_exit", "adapter"} & set(options):
@@ -256,6 +260,17 @@ class FastDecoder:
                 streamer.end()
         texts = [self.tokenizer.decode(row, skip_special_tokens=True) for row in out.tokens]
         return GenerationResult(texts, out.tokens, out, cfg, method, single, candidate)
+
+    def _with_corpus(self, method: str, corpus: str, options: dict) -> dict:
+        """``options`` with ``decoder.suffix.corpus``; the file checked against the model and its tokenizer."""
+        from fastdecode.decoding.suffix_sources import corpus_fingerprint, corpus_index
+
+        if method != "suffix":
+            raise ConfigError(f"corpus= is suffix decoding's: pass method='suffix' (got method={method!r}).")
+        corpus_index(corpus, self.m, fingerprint=corpus_fingerprint(self.tokenizer))
+        suffix = options.get("suffix") or {}
+        suffix = dataclasses.asdict(suffix) if dataclasses.is_dataclass(suffix) else dict(suffix)
+        return options | {"suffix": suffix | {"corpus": str(corpus)}}
 
     def config(self, method: str, *, defaults: bool = True, **options: Any) -> DecodeConfig:
         """The ``DecodeConfig`` of ``method``: the options (HF aliases renamed) over the checkpoint's

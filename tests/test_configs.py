@@ -140,7 +140,7 @@ def test_device_and_dtype_resolution():
             resolve_device("cuda")
 
 
-@pytest.mark.parametrize("top", ["exits", "speed"])
+@pytest.mark.parametrize("top", ["exits", "speed", "suffix_index"])
 def test_other_entry_point_configs_compose(top):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name=top, overrides=["model=tiny-llama"])

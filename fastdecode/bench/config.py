@@ -92,6 +92,7 @@ class SpeedJob:
     exit_layer: int | None = None
     adapter: str | None = None
     drafter: str | None = None  # an EAGLE-3 head directory, for uses_drafter methods (decoder 'eagle3')
+    corpus: str | None = None  # a suffix index file for the 'suffix' methods (decoder.suffix.corpus)
     n_prompts: int | None = 8  # None: every prompt of the set
     prompt_split: str = "auto"
     max_prompt_tokens: int = 1024

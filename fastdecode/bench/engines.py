@@ -26,6 +26,7 @@ from torch import nn
 from fastdecode.bench.config import Method, SpeedJob
 from fastdecode.config import ConfigError, to_dataclass
 from fastdecode.decoding import DecodeConfig, DecodeOutput, check, get_decoder
+from fastdecode.decoding.suffix_sources import global_scope
 from fastdecode.model import EarlyExitModel
 
 
@@ -43,7 +44,7 @@ class FastdecodeRunner:
     def __init__(
         self, method: Method, m: EarlyExitModel, draft: EarlyExitModel | None, job: SpeedJob, eos: set[int]
     ) -> None:
-        self.decode = get_decoder(method.spec.decoder or method.name)
+        self.decode, self.name = get_decoder(method.spec.decoder or method.name), method.name
         self.m, self.draft = m, draft if method.spec.uses_draft else None
         shared = {
             "max_new_tokens": job.max_new_tokens,
@@ -63,7 +64,8 @@ class FastdecodeRunner:
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int
     ) -> DecodeOutput:
         cfg = dataclasses.replace(self.cfg, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-        return self.decode(self.m, prompts, cfg, draft=self.draft)
+        with global_scope(self.name):  # suffix decoding: each method its own global index of earlier outputs
+            return self.decode(self.m, prompts, cfg, draft=self.draft)
 
 
 class AutoRunner:

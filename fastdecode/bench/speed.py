@@ -86,6 +86,30 @@ def tokenize_prompts(
     return prompts
 
 
+def with_corpus(options: dict, corpus: str, m: EarlyExitModel, tokenizer) -> dict:
+    """``options`` with ``decoder.suffix.corpus`` set to ``corpus``, checked against the model and tokenizer."""
+    from fastdecode.decoding.suffix_sources import corpus_fingerprint, corpus_index
+
+    corpus_index(corpus, m, fingerprint=corpus_fingerprint(tokenizer))
+    return options | {"suffix": dict(options.get("suffix") or {}) | {"corpus": corpus}}
+
+
+def check_corpus(job: SpeedJob, methods: list[Method]) -> None:
+    """``corpus=`` needs a ``suffix`` method and a readable suffix index file (checked before any load)."""
+    if job.corpus is None:
+        return
+    if not any((x.spec.decoder or x.name) == "suffix" for x in methods):
+        raise ConfigError(
+            f"corpus={job.corpus!r} is read by the suffix methods only: add one (decoder=[...,suffix]) or drop "
+            "corpus=."
+        )
+    from pathlib import Path
+
+    from fastdecode.suffix_index_file import read_header
+
+    read_header(Path(job.corpus))  # a missing, foreign or other-version file fails here, by name
+
+
 def build_runners(
     job: SpeedJob, methods: list[Method], m: EarlyExitModel, tokenizer, draft, *, auto=None
 ) -> dict[str, Any]:
@@ -101,6 +125,8 @@ def build_runners(
             from fastdecode.exit_adapter import load_adapter
 
             load_adapter(method.options["adapter"], m, tokenizer)
+        if job.corpus and (method.spec.decoder or method.name) == "suffix":  # foreign files fail here
+            method.options = with_corpus(method.options, job.corpus, m, tokenizer)
         if method.is_auto:
             runners[method.name] = AutoRunner(method, auto, job, m)
         elif method.spec.engine == "fastdecode":
@@ -167,6 +193,7 @@ def run(cfg: Any) -> dict:
     from fastdecode.io import check_writable
 
     job, methods, exit_source = plan(cfg)
+    check_corpus(job, methods)
     records = read_prompt_records(job)  # a missing data file fails before any model loads
     check_writable(job.output_dir)  # a read-only output_dir fails here too, not after the benchmark
     m, tokenizer, draft, resolved = load_and_resolve(job, methods)

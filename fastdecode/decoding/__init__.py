@@ -26,10 +26,11 @@ from fastdecode.decoding import (
     prompt_lookup,
     self_speculative,
     skipdecode,
+    suffix,
 )
 from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, prefill
 from fastdecode.decoding.drafters import Offer, PlanInputs, ProposerKind
-from fastdecode.decoding.options import JacobiOptions, LookupOptions, SkipOptions
+from fastdecode.decoding.options import JacobiOptions, LookupOptions, SkipOptions, SuffixOptions
 from fastdecode.decoding.policies import POLICIES, DraftPolicy
 from fastdecode.model import EarlyExitModel
 
@@ -52,6 +53,7 @@ PROPOSERS: dict[str, ProposerKind] = {
     "prompt_lookup": prompt_lookup.KIND,
     "lookahead": lookahead.KIND,
     "eagle3": eagle3.KIND,
+    "suffix": suffix.KIND,
 }
 
 # Every decoding strategy by name: the ones that are not speculation, one per module, then each proposer kind.
@@ -93,6 +95,7 @@ __all__ = [
     "JacobiOptions",
     "LookupOptions",
     "SkipOptions",
+    "SuffixOptions",
     "check",
     "get_decoder",
     "prefill",

@@ -21,7 +21,7 @@ import torch
 from fastdecode.cache import KVCache
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.cost import SOURCES as COST_SOURCES
-from fastdecode.decoding.options import JacobiOptions, LookupOptions, SkipOptions
+from fastdecode.decoding.options import JacobiOptions, LookupOptions, SkipOptions, SuffixOptions
 from fastdecode.decoding.policies import POLICIES
 from fastdecode.engine import default_options
 from fastdecode.fast_linear import KERNELS
@@ -34,11 +34,10 @@ class DecodeConfig:
     pure early exit) runs; ``draft_tokens`` is K for the ``constant`` policy and the largest K for the others.
     ``eos_token_id=None`` never stops early (pass the tokenizer's EOS id(s) to stop at EOS). ``draft_vocab``:
     path of a draft vocabulary file (``fastdecode/data/draft_vocab.py``); the drafter's head then scores only
-    those tokens (verification keeps the full head: still lossless). ``skip``, ``jacobi``: the options of the
-    ``skipdecode`` and ``jacobi`` decoders (``fastdecode/decoding/options.py``). ``adapter``: an exit adapter directory
+    those tokens (verification keeps the full head: still lossless). ``skip``, ``jacobi``, ``suffix``: the
+    options of those decoders (``fastdecode/decoding/options.py``). ``adapter``: an exit adapter directory
     (``fastdecode/exit_adapter.py``); ``self_speculative`` then drafts through it (E from the adapter).
-    ``lookup``: n-gram drafting (``prompt_lookup``, ``lookahead``); ``chain``: ``self_speculative`` and
-    ``assisted`` rows draft by prompt lookup when their text matches, by their model otherwise.
+    ``lookup``: n-gram drafting; ``chain``: ``self_speculative``/``assisted`` rows draft by lookup where it matches.
     ``costs``: the cost model the policies and n-gram drafts read (``fastdecode/cost.py``): ``measured`` on
     the loaded model (once per model and engine) or ``estimated`` from the weights."""
 
@@ -59,6 +58,7 @@ class DecodeConfig:
     skip: SkipOptions = field(default_factory=SkipOptions)
     jacobi: JacobiOptions = field(default_factory=JacobiOptions)
     lookup: LookupOptions = field(default_factory=LookupOptions)
+    suffix: SuffixOptions = field(default_factory=SuffixOptions)
     chain: bool = False
     costs: str = "measured"
 

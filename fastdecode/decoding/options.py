@@ -1,5 +1,5 @@
 """Per-decoder option groups, nested in ``DecodeConfig``: ``decoder.jacobi.*``, ``decoder.skip.*``,
-``decoder.lookup.*``.
+``decoder.lookup.*``, ``decoder.suffix.*``.
 
 Why nested: the fields every decoder reads (length, sampling, exit layer, draft policy) stay flat in
 ``DecodeConfig``; options that only one decoder reads sit in a group named after it, so ``common.py`` knows
@@ -17,7 +17,7 @@ from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.jacobi import check_block_size, check_init
 from fastdecode.skipdecode import SkipOptions
 
-__all__ = ["JacobiOptions", "LookupOptions", "SkipOptions"]
+__all__ = ["JacobiOptions", "LookupOptions", "SkipOptions", "SuffixOptions"]
 
 MATCHES = ("recent", "earliest")  # decoder.lookup.match (fastdecode/decoding/ngram.py's NgramIndex)
 EOS_CUTS = ("before", "after")  # decoder.lookup.eos
@@ -68,4 +68,46 @@ class LookupOptions:
             raise ConfigError(
                 f"decoder.lookup.fallback_trial={self.fallback_trial}: need >= 0 (0: the fallback is never "
                 "retired)."
+            )
+
+
+@dataclass
+class SuffixOptions:
+    """``decoder.suffix``: suffix decoding (``fastdecode/decoding/suffix.py``; SuffixDecoding, Oliaro et al.,
+    NeurIPS 2025). ``max_depth``: the suffix index's depth (the longest match is ``max_depth - 1`` tokens, and
+    the longest draft path ``max_depth - 1`` too); ``min_match``: a shorter match drafts nothing; ``tree``:
+    draft token trees (the best-first tree of the index) instead of the most frequent chain (the speculative
+    loop must verify trees: ``Draft.parents``); ``min_prob``: a branch whose estimated probability (product of
+    frequency ratios) falls under it is not drafted (SuffixDecoding's ``min_token_prob``); ``global_size``:
+    the outputs of earlier calls of this process kept in the global index (the oldest evicted first; 0: no
+    global index); ``corpus``: a suffix index file (``fastdecode-suffix-index``), read only, or null;
+    ``eos``: ``before`` (an EOS is never drafted) or ``after`` (it may end a branch)."""
+
+    max_depth: int = 64
+    min_match: int = 1
+    tree: bool = False
+    min_prob: float = 0.1
+    global_size: int = 4096
+    corpus: str | None = None
+    eos: str = "before"
+
+    def __post_init__(self) -> None:
+        if self.eos not in EOS_CUTS:
+            raise unknown_name_error("suffix eos", self.eos, list(EOS_CUTS), "(decoder.suffix.eos)")
+        problems = {
+            "max_depth": (self.max_depth >= 2, "need >= 2 (a match of 1 token and a draft of 1)"),
+            "min_match": (
+                1 <= self.min_match < self.max_depth,
+                f"need 1 <= min_match < max_depth ({self.max_depth})",
+            ),
+            "min_prob": (0 <= self.min_prob <= 1, "need a probability in [0, 1]"),
+            "global_size": (self.global_size >= 0, "need >= 0 (0: no global index)"),
+        }
+        for key, (ok, why) in problems.items():
+            if not ok:
+                raise ConfigError(f"decoder.suffix.{key}={getattr(self, key)!r}: {why}.")
+        if self.corpus is not None and (not isinstance(self.corpus, str) or not self.corpus):
+            raise ConfigError(
+                f"decoder.suffix.corpus={self.corpus!r}: give the path of a suffix index file (built by "
+                "fastdecode-suffix-index), or null for none."
             )

@@ -1,0 +1,152 @@
+"""``fastdecode-suffix-index``: build a corpus index for suffix decoding once, e.g.
+``fastdecode-suffix-index model=smollm2-135m input=data/sharegpt-smollm2-135m.jsonl output=corpus.sfx``.
+
+Reads a jsonl of ``{"prompt", "response"}`` records (what ``fastdecode-regenerate`` writes: the model's own
+answers) or of ``{"text"}`` records, tokenizes each response (or text) with the model's tokenizer as decoding
+produces responses: the text's token ids alone, no chat template and no special tokens around them. EOS: the
+regenerated text has it stripped (decoded with ``skip_special_tokens``), so by default no EOS is indexed and
+drafts never propose one; ``append_eos=true`` appends the tokenizer's EOS id to every sequence (for
+``decoder.suffix.eos=after``: a draft may then end an answer). Writes the suffix index file atomically
+(``fastdecode/suffix_index_file.py``) with the tokenizer's fingerprint, which decoding checks
+(``decoder.suffix.corpus=PATH``), and prints what it built. Only the tokenizer loads, never the weights.
+
+Evaluation sets are refused: a file named after an evaluation-only data config (``configs/data``: MT-bench,
+HumanEval, ...), and records that carry an evaluation set's fields (``question_id``, ``task_id``); a corpus of
+a benchmark's answers would draft them back while the benchmark measures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, group_choices, load_group, to_dataclass
+from fastdecode_cli.launch import check_command_line, one_line_errors
+
+EVAL_FIELDS = ("question_id", "task_id")  # MT-bench's and HumanEval's record ids
+
+
+@dataclasses.dataclass
+class SuffixIndexJob:
+    model: ModelConfig
+    input: str | None = None
+    output: str | None = None
+    max_depth: int = 64
+    append_eos: bool = False
+
+
+def evaluation_names() -> set[str]:
+    """The names of the evaluation-only data configs (their sources may be shared with training sets)."""
+    from fastdecode.data.config import DataConfig
+
+    names = set()
+    for name in group_choices("data"):
+        data = load_group("data", name, DataConfig)
+        if data.eval_only:
+            names.add(name)
+    return names
+
+
+def read_texts(path: Path) -> list[str]:
+    """Each record's response (or text), in file order; an evaluation set or a malformed line is refused."""
+    stem = path.name.lower()
+    found = sorted(n for n in evaluation_names() if n and n.lower() in stem)
+    if found:
+        raise ConfigError(
+            f"input={str(path)!r} looks like an evaluation set ({', '.join(found)}): a corpus of a benchmark's "
+            "answers drafts them back while it is measured. Build it from training prompts' answers "
+            "(fastdecode-regenerate)."
+        )
+    texts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            raise ConfigError(f"input={str(path)!r} line {number} is not JSON ({err}).") from err
+        text = record.get("response", record.get("text")) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise ConfigError(
+                f'input={str(path)!r} line {number}: need a "response" (with its "prompt") or a "text" string.'
+            )
+        if any(key in record for key in EVAL_FIELDS):
+            raise ConfigError(
+                f"input={str(path)!r} line {number} is an evaluation set's record (it has "
+                f"{[k for k in EVAL_FIELDS if k in record]}): build the corpus from training answers."
+            )
+        texts.append(text)
+    return texts
+
+
+def check_job(job: SuffixIndexJob) -> tuple[Path, Path]:
+    if not job.input or not Path(job.input).is_file():
+        raise ConfigError(
+            f"input={job.input!r}: give a jsonl file of {{prompt, response}} or {{text}} records."
+        )
+    if not job.output:
+        raise ConfigError("output=PATH: where the suffix index file is written.")
+    if job.max_depth < 2:
+        raise ConfigError(f"max_depth={job.max_depth}: need >= 2.")
+    return Path(job.input), Path(job.output)
+
+
+def run(cfg: Any) -> dict:
+    """Build and write the index ``cfg`` describes; returns what was built."""
+    from fastdecode.assets import model_load_path
+    from fastdecode.decoding.suffix_sources import corpus_fingerprint
+    from fastdecode.io import check_writable
+    from fastdecode.loading import load_tokenizer
+    from fastdecode.suffix_index import SuffixIndex
+    from fastdecode.suffix_index_file import save_index
+
+    job = to_dataclass(SuffixIndexJob, cfg, "")
+    source, out = check_job(job)
+    check_writable(out.parent if str(out.parent) else Path("."), option="output")
+    texts = read_texts(source)  # refused before the tokenizer loads
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(
+        job.model, None if job.model.source == "random" else model_load_path(job.model)
+    )
+    eos = [tokenizer.eos_token_id] if job.append_eos and tokenizer.eos_token_id is not None else []
+    index = SuffixIndex(job.max_depth)
+    for i, text in enumerate(texts):
+        ids = tokenizer(text, add_special_tokens=False).input_ids + eos
+        if ids:
+            index.add(i, ids)
+    save_index(out, index, fingerprint=corpus_fingerprint(tokenizer))
+    state_tokens = sum(len(t) for t in index.tokens.values())
+    return {
+        "output": str(out),
+        "sequences": len(index),
+        "tokens": state_tokens,
+        "nodes": len(index.state()["parent"]),
+        "bytes": out.stat().st_size,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="suffix_index", version_base="1.3")
+@one_line_errors
+def _main(cfg: DictConfig) -> None:
+    built = run(cfg)
+    print(
+        f"suffix index {built['output']}: {built['sequences']} sequences, {built['tokens']} tokens, "
+        f"{built['nodes']} nodes, {built['bytes']} bytes, built in {built['seconds']} s"
+    )
+
+
+@one_line_errors
+def main() -> None:
+    check_command_line("suffix_index")  # misspelt keys get our did-you-mean; --help lists this config's keys
+    _main()
+
+
+if __name__ == "__main__":
+    main()

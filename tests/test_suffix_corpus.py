@@ -1,0 +1,143 @@
+"""The corpus of suffix decoding end to end: ``fastdecode-suffix-index`` builds a file that loads and drafts,
+refuses evaluation sets; ``generate(corpus=)`` and ``eval/speed.py corpus=`` pass it to the suffix methods,
+checked against the tokenizer; the benchmark never lets a prompt's own answer into the global index when that
+prompt is decoded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import fastdecode
+from fastdecode.config import CONFIG_DIR, ConfigError
+from fastdecode.decoding import DECODERS, DecodeConfig, SuffixOptions
+from fastdecode.decoding import suffix as suffix_module
+from fastdecode.decoding.suffix_sources import corpus_fingerprint, corpus_index, reset_global_index
+from fastdecode.model import EarlyExitModel
+from fastdecode.suffix_index_file import NotASuffixIndexError, SuffixIndexFingerprintError
+from fastdecode_cli.suffix_index import run
+from tests.helpers import tiny_model
+from tests.job_configs import LIVELY, tiny_speed_cfg
+
+
+@pytest.fixture(autouse=True)
+def empty_global_index():
+    reset_global_index()
+    yield
+    reset_global_index()
+
+
+def build(tmp_path, records, name="answers.jsonl", **extra):
+    source = tmp_path / name
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    overrides = ["model=tiny-llama", f"input={source}", f"output={tmp_path / 'corpus.sfx'}"]
+    overrides += [f"{k}={v}" for k, v in extra.items()]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return run(compose(config_name="suffix_index", overrides=overrides))
+
+
+def test_the_cli_builds_an_index_that_loads_and_drafts(tmp_path):
+    model, tokenizer = tiny_model("tiny-llama")
+    m = EarlyExitModel(model)
+    answer = "the quick brown fox jumps over the lazy dog, the quick brown fox"
+    built = build(tmp_path, [{"prompt": "q", "response": answer}, {"text": "hello there"}])
+    assert (built["sequences"], built["nodes"] > 0, built["bytes"] > 0) == (2, True, True)
+    ids = tokenizer(answer, add_special_tokens=False).input_ids
+    assert built["tokens"] == len(ids) + len(tokenizer("hello there", add_special_tokens=False).input_ids)
+    index = corpus_index(built["output"], m, fingerprint=corpus_fingerprint(tokenizer))
+    assert index.tokens[index.keys[0]] == ids  # the response's ids alone: no template, no special tokens
+    prompt = tokenizer("the quick brown", add_special_tokens=False).input_ids
+    cfg = DecodeConfig(max_new_tokens=12, costs="estimated", policy="constant")
+    cfg = cfg.__class__(**{**cfg.__dict__, "suffix": SuffixOptions(corpus=built["output"], global_size=0)})
+    out = DECODERS["suffix"](m, [prompt], cfg)
+    assert out.tokens == DECODERS["autoregressive"](m, [prompt], cfg).tokens and sum(out.drafted) > 0
+
+
+def test_append_eos_ends_every_sequence_with_it(tmp_path):
+    _, tokenizer = tiny_model("tiny-llama")
+    built = build(tmp_path, [{"text": "abc"}], append_eos="true")
+    index = corpus_index(built["output"], EarlyExitModel(tiny_model("tiny-llama")[0]))
+    assert index.tokens[index.keys[0]][-1] == tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize(
+    ("name", "record", "match"),
+    [
+        ("mt_bench_answers.jsonl", {"prompt": "q", "response": "a"}, "looks like an evaluation set"),
+        ("answers.jsonl", {"question_id": 81, "response": "a"}, "evaluation set's record"),
+        ("answers.jsonl", {"prompt": "q"}, 'need a "response"'),
+    ],
+)
+def test_the_cli_refuses_evaluation_sets_and_bad_records(tmp_path, name, record, match):
+    with pytest.raises(ConfigError, match=match):
+        build(tmp_path, [record], name=name)
+    assert not (tmp_path / "corpus.sfx").exists()
+
+
+def test_generate_with_a_corpus_is_exact_and_refuses_another_tokenizer(tmp_path, monkeypatch):
+    fd = fastdecode.from_pretrained("tiny-llama")
+    built = build(tmp_path, [{"prompt": "q", "response": "one two three one two three one two three"}])
+    expected = fd.generate("one two", method="autoregressive", max_new_tokens=10, chat=False)
+    out = fd.generate("one two", method="suffix", corpus=built["output"], max_new_tokens=10, chat=False)
+    assert out.ids == expected.ids and out.config.suffix.corpus == built["output"]
+    with pytest.raises(ConfigError, match="method='suffix'"):
+        fd.generate("one two", method="prompt_lookup", corpus=built["output"])
+    monkeypatch.setattr(
+        "fastdecode.decoding.suffix_sources.tokenizer_fingerprint",
+        lambda tok: {"name": "x", "vocab_size": 261, "vocab_hash": "another"},
+    )
+    with pytest.raises(SuffixIndexFingerprintError, match="another tokenizer"):
+        fd.generate("one two", method="suffix", corpus=built["output"])
+
+
+def test_the_benchmark_never_drafts_a_prompt_its_own_answer(tmp_path, monkeypatch):
+    """Two repeats after a warm-up, with a corpus: every suffix call's global index holds no answer of the
+    prompts it decodes (it would without the resets: the warm-up and the first repeat answer them), and the
+    outputs equal autoregressive decoding's."""
+    from eval.speed import run as run_speed
+
+    built = build(tmp_path, [{"text": "Count from 1 to 6. 1 2 3 4 5 6"}])
+    seen, outputs = [], []
+    init, remember = suffix_module.SuffixProposer.__init__, suffix_module.remember
+
+    def recording_init(self, s):
+        init(self, s)
+        index = self.shared.get("global")
+        seen.append({tuple(t) for t in index.tokens.values()} if index is not None else set())
+        assert "corpus" in self.shared
+
+    def recording_remember(m, options, stop, rows):
+        outputs.append([tuple(r) for r in rows])
+        remember(m, options, stop, rows)
+
+    monkeypatch.setattr(suffix_module.SuffixProposer, "__init__", recording_init)
+    monkeypatch.setattr(suffix_module, "remember", recording_remember)
+    cfg = tiny_speed_cfg(
+        tmp_path, "decoder=[autoregressive,suffix]", "hf_baseline=null", LIVELY, f"corpus={built['output']}"
+    )
+    result = run_speed(cfg)
+    rows = {row["method"]: row for row in result["summary"]}
+    assert rows["suffix"]["match_rate"] == 1.0 and rows["suffix"]["identical_rows"] == 1.0
+    assert len(seen) == len(outputs) == 1 + 2 * 3  # the warm-up, then 2 repeats x 3 prompts
+    assert any(seen), "the global index was never used"
+    for held, answers in zip(seen, outputs, strict=True):
+        assert not held & set(answers)
+
+
+def test_the_benchmark_refuses_a_corpus_without_a_suffix_method_or_file(tmp_path, monkeypatch):
+    from eval.speed import run as run_speed
+
+    monkeypatch.setattr("fastdecode.loading.load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    built = build(tmp_path, [{"text": "abc abc"}])
+    cfg = tiny_speed_cfg(
+        tmp_path, "decoder=[autoregressive]", "hf_baseline=null", f"corpus={built['output']}"
+    )
+    with pytest.raises(ConfigError, match="read by the suffix methods only"):
+        run_speed(cfg)
+    missing = tiny_speed_cfg(
+        tmp_path, "decoder=[autoregressive,suffix]", "hf_baseline=null", f"corpus={tmp_path / 'none.sfx'}"
+    )
+    with pytest.raises(NotASuffixIndexError, match="cannot read it"):
+        run_speed(missing)
