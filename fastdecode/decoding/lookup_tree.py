@@ -103,8 +103,10 @@ def continuations(
     ``shorter`` those of the shorter n down to ``min_n`` whose continuation starts at a new position."""
     tokens, found, seen, longest = index.tokens, [], set(), 0
     for n in range(min(index.max_n, len(tokens) - 1), min_n - 1, -1):
+        if longest and not shorter:
+            break
         starts = index.starts_of(n)
-        if not starts or (longest and not shorter):
+        if not starts:
             continue
         longest = longest or n
         for start in starts:
