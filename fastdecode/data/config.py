@@ -7,7 +7,8 @@ A data config names one source (``configs/data/<name>.yaml``):
 - ``mt_bench``  the 80 MT-bench questions (evaluation only);
 - ``humaneval`` the 164 HumanEval problems (evaluation only);
 - ``jsonl``     a local file, one ``{"messages": [...]}`` or ``{"prompt", "response"}`` object per line;
-- ``hf``        ``datasets.load_dataset(hf_name, hf_config, split=hf_split, data_files=hf_data_files)``.
+- ``hf``        ``datasets.load_dataset(hf_name, hf_config, split=hf_split, data_files=hf_data_files)``;
+- ``repeated``  a repeated-task workload generated from ``split_seed`` (``repeated.py``; evaluation only).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from pathlib import Path
 from fastdecode.config import ConfigError, PypiAsset, unknown_name_error
 from fastdecode.data.splits import SPLITS
 
-SOURCES = ("sharegpt", "mt_bench", "humaneval", "jsonl", "hf")
-EVAL_ONLY_SOURCES = ("mt_bench", "humaneval")  # benchmarks: training on them would contaminate the evaluation
+SOURCES = ("sharegpt", "mt_bench", "humaneval", "jsonl", "hf", "repeated")
+# benchmarks and workloads: training on them would contaminate the evaluation
+EVAL_ONLY_SOURCES = ("mt_bench", "humaneval", "repeated")
 PACKAGED_SOURCES = ("sharegpt", "mt_bench", "humaneval")  # read from ``pypi`` unless ``path`` is given
 
 

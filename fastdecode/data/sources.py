@@ -23,6 +23,7 @@ from typing import Any
 
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.data.config import DataConfig, require_path
+from fastdecode.data.repeated import repeated_records
 from fastdecode.data.splits import SPLITS, split_records
 
 logger = logging.getLogger(__name__)
@@ -305,6 +306,7 @@ def read_records_with_stats(cfg: DataConfig) -> tuple[list[dict], ReadStats]:
         "humaneval": lambda: _all_kept(read_humaneval(_packaged_file(cfg))),
         "jsonl": lambda: read_jsonl(require_path(cfg), cfg),
         "hf": lambda: read_hf(cfg),
+        "repeated": lambda: _all_kept(repeated_records(cfg.split_seed)),
     }
     if cfg.source not in readers:
         raise unknown_name_error("data source", cfg.source, list(readers))

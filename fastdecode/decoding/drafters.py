@@ -34,7 +34,7 @@ from fastdecode.decoding.common import (
     new_generator,
     refuse_draft_model,
 )
-from fastdecode.decoding.ngram import PromptLookupProposer
+from fastdecode.decoding.ngram import PromptLookupProposer, refuse_tree
 from fastdecode.decoding.proposers import Proposer
 from fastdecode.decoding.speculative import speculate
 from fastdecode.model import EarlyExitModel
@@ -122,6 +122,8 @@ class ProposerKind:
                 f"decoder.chain=true: decoder '{self.name}' cannot follow prompt lookup in a chain; set "
                 "decoder.chain=false, or use 'self_speculative' or 'assisted' with decoder.chain=true."
             )
+        if cfg.chain:
+            refuse_tree(f"decoder '{self.name}' with decoder.chain=true", cfg)
         self.check(m, prompts, cfg, draft)
 
     def proposer(

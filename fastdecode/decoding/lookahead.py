@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from fastdecode.decoding.common import DecodeConfig
 from fastdecode.decoding.drafters import ProposerKind, Setup
-from fastdecode.decoding.ngram import PromptLookupProposer, refuse_exit_layer
+from fastdecode.decoding.ngram import PromptLookupProposer, refuse_exit_layer, refuse_tree
 from fastdecode.decoding.proposers import one_hot
 from fastdecode.decoding.speculative import Draft, Round, Verdict
 from fastdecode.model import EarlyExitModel
@@ -68,6 +68,7 @@ class LookaheadProposer(PromptLookupProposer):
 
 def check_lookahead(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=None) -> None:
     refuse_exit_layer("lookahead", cfg)
+    refuse_tree("decoder 'lookahead'", cfg)
 
 
 def build(s: Setup) -> LookaheadProposer:

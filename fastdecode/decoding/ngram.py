@@ -82,12 +82,15 @@ class NgramIndex:
         for n in range(min(self.max_n, len(tokens) - 1), min_n - 1, -1):
             start = self.starts[n].get(tuple(tokens[len(tokens) - n :]))
             if start is not None:
-                found = tokens[start + n : start + n + limit]
-                cut = next((i for i, t in enumerate(found) if t in self.stop), None)
-                if cut is not None:
-                    found = found[: cut if self.before else cut + 1]
-                return found, n
+                return self.cut(tokens[start + n : start + n + limit]), n
         return [], 0
+
+    def cut(self, found: list[int]) -> list[int]:
+        """``found`` ended before its first EOS (``eos="before"``) or after it (``"after"``)."""
+        cut = next((i for i, t in enumerate(found) if t in self.stop), None)
+        if cut is not None:
+            found = found[: cut if self.before else cut + 1]
+        return found
 
 
 def new_index(options: LookupOptions, eos_ids: Iterable[int]) -> NgramIndex:
@@ -217,4 +220,14 @@ def refuse_exit_layer(name: str, cfg: DecodeConfig, hint: str = "") -> None:
         raise ConfigError(
             f"decoder '{name}' verifies with the whole model: set decoder.exit_layer=null (got "
             f"{cfg.exit_layer}){hint}."
+        )
+
+
+def refuse_tree(what: str, cfg: DecodeConfig) -> None:
+    """Only the ``prompt_lookup`` decoder drafts a lookup tree (``decoder.lookup.tree``); ``what``: the
+    decoder that refuses, as the message names it."""
+    if cfg.lookup.tree:
+        raise ConfigError(
+            f"decoder.lookup.tree=true: {what} drafts lookup chains only; set decoder.lookup.tree=false, or "
+            "use decoder=prompt_lookup for a lookup tree."
         )

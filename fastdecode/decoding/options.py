@@ -47,13 +47,19 @@ class LookupOptions:
     as in transformers) or ``after`` (it may end with one). Chosen by replaying SmolLM2's answers
     (``fastdecode-lookup-replay``, docs/BENCHMARKS.md).
     ``fallback_trial``: in a chain, the row-rounds the exit, adapter or draft model drafts before it must have
-    paid for itself on this call's text to go on drafting (``ngram.ChainProposer``); 0: it is never retired."""
+    paid for itself on this call's text to go on drafting (``ngram.ChainProposer``); 0: it is never retired.
+    ``tree`` (``prompt_lookup`` only): draft the merged continuations of up to ``occurrences`` earlier
+    occurrences as one token tree (``fastdecode/decoding/lookup_tree.py``); ``shorter``: merge those of the
+    shorter matches too. False (the default): one continuation, a chain."""
 
     max_ngram_size: int = 4
     min_ngram_size: int = 1
     fallback_trial: int = 16
     match: str = "recent"
     eos: str = "before"
+    tree: bool = False
+    occurrences: int = 4
+    shorter: bool = False
 
     def __post_init__(self) -> None:
         for key, value, choices in (("match", self.match, MATCHES), ("eos", self.eos, EOS_CUTS)):
@@ -63,6 +69,11 @@ class LookupOptions:
             raise ConfigError(
                 f"decoder.lookup: min_ngram_size={self.min_ngram_size}, max_ngram_size={self.max_ngram_size}: "
                 "need 1 <= min_ngram_size <= max_ngram_size."
+            )
+        if self.occurrences < 1:
+            raise ConfigError(
+                f"decoder.lookup.occurrences={self.occurrences}: need >= 1 (the earlier occurrences a tree "
+                "lookup merges per n-gram)."
             )
         if self.fallback_trial < 0:
             raise ConfigError(

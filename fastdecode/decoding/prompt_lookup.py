@@ -17,12 +17,15 @@ tie within 0.1%, n <= 2 is 0.1-1.7% behind, n = 1 alone 2-19%; cutting before or
 accepted EOS ends the row, which the verifier's own token would have done too, so drafting it can only cost).
 docs/BENCHMARKS.md has the table.
 ``decoder.lookup.match=earliest`` gives transformers' and vLLM's choice.
+``decoder.lookup.tree=true`` drafts the continuations of several occurrences merged into one token tree
+(``lookup_tree.py``; ``configs/decoder/prompt_lookup_tree.yaml``).
 """
 
 from __future__ import annotations
 
 from fastdecode.decoding.common import DecodeConfig
 from fastdecode.decoding.drafters import ProposerKind, Setup
+from fastdecode.decoding.lookup_tree import TreeLookupProposer
 from fastdecode.decoding.ngram import PromptLookupProposer, refuse_exit_layer
 from fastdecode.model import EarlyExitModel
 
@@ -37,7 +40,9 @@ def check_lookup(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig,
 
 
 def build(s: Setup) -> PromptLookupProposer:
-    return PromptLookupProposer(s.prompts, s.cfg, s.costs, s.m.vocab_size)
+    """The chain lookup, or with ``decoder.lookup.tree`` the tree lookup (``lookup_tree.py``)."""
+    kind = TreeLookupProposer if s.cfg.lookup.tree else PromptLookupProposer
+    return kind(s.prompts, s.cfg, s.costs, s.m.vocab_size)
 
 
 KIND = ProposerKind("prompt_lookup", build, check=check_lookup)
