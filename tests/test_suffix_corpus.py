@@ -99,14 +99,14 @@ def test_the_benchmark_never_drafts_a_prompt_its_own_answer(tmp_path, monkeypatc
     from eval.speed import run as run_speed
 
     built = build(tmp_path, [{"text": "Count from 1 to 6. 1 2 3 4 5 6"}])
-    seen, outputs = [], []
+    seen, outputs, corpora = [], [], []
     init, remember = suffix_module.SuffixProposer.__init__, suffix_module.remember
 
     def recording_init(self, s):
         init(self, s)
         index = self.shared.get("global")
         seen.append({tuple(t) for t in index.tokens.values()} if index is not None else set())
-        assert "corpus" in self.shared
+        corpora.append("corpus" in self.shared)
 
     def recording_remember(m, options, stop, rows):
         outputs.append([tuple(r) for r in rows])
@@ -114,13 +114,14 @@ def test_the_benchmark_never_drafts_a_prompt_its_own_answer(tmp_path, monkeypatc
 
     monkeypatch.setattr(suffix_module.SuffixProposer, "__init__", recording_init)
     monkeypatch.setattr(suffix_module, "remember", recording_remember)
-    cfg = tiny_speed_cfg(
-        tmp_path, "decoder=[autoregressive,suffix]", "hf_baseline=null", LIVELY, f"corpus={built['output']}"
-    )
+    methods = "decoder=[autoregressive,suffix,suffix_no_corpus]"
+    cfg = tiny_speed_cfg(tmp_path, methods, "hf_baseline=null", LIVELY, f"corpus={built['output']}")
     result = run_speed(cfg)
     rows = {row["method"]: row for row in result["summary"]}
-    assert rows["suffix"]["match_rate"] == 1.0 and rows["suffix"]["identical_rows"] == 1.0
-    assert len(seen) == len(outputs) == 1 + 2 * 3  # the warm-up, then 2 repeats x 3 prompts
+    for method in ("suffix", "suffix_no_corpus"):
+        assert rows[method]["match_rate"] == 1.0 and rows[method]["identical_rows"] == 1.0
+    assert len(seen) == len(outputs) == 2 * (1 + 2 * 3)  # per method: the warm-up, then 2 repeats x 3 prompts
+    assert sorted(corpora) == [False] * 7 + [True] * 7  # suffix_no_corpus never reads the corpus
     assert any(seen), "the global index was never used"
     for held, answers in zip(seen, outputs, strict=True):
         assert not held & set(answers)
@@ -131,11 +132,10 @@ def test_the_benchmark_refuses_a_corpus_without_a_suffix_method_or_file(tmp_path
 
     monkeypatch.setattr("fastdecode.loading.load_model", lambda *a, **k: pytest.fail("the model loaded"))
     built = build(tmp_path, [{"text": "abc abc"}])
-    cfg = tiny_speed_cfg(
-        tmp_path, "decoder=[autoregressive]", "hf_baseline=null", f"corpus={built['output']}"
-    )
-    with pytest.raises(ConfigError, match="read by the suffix methods only"):
-        run_speed(cfg)
+    for methods in ("[autoregressive]", "[autoregressive,suffix_no_corpus]"):  # the latter never reads one
+        cfg = tiny_speed_cfg(tmp_path, f"decoder={methods}", "hf_baseline=null", f"corpus={built['output']}")
+        with pytest.raises(ConfigError, match="read by the suffix methods that use a corpus only"):
+            run_speed(cfg)
     missing = tiny_speed_cfg(
         tmp_path, "decoder=[autoregressive,suffix]", "hf_baseline=null", f"corpus={tmp_path / 'none.sfx'}"
     )

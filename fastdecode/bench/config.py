@@ -63,6 +63,7 @@ class MethodConfig:
     uses_exit_layer: bool = False
     uses_adapter: bool = False
     uses_drafter: bool = False  # an EAGLE-3 head directory: the job's ``drafter`` as ``decoder.drafter``
+    uses_corpus: bool = False  # a suffix method that reads the job's ``corpus`` as ``decoder.suffix.corpus``
     uses_draft: bool = False
     max_batch_size: int | None = None
     sampling: bool = True  # false: greedy only (e.g. jacobi); skipped at temperature > 0 with the reason

@@ -98,10 +98,10 @@ def check_corpus(job: SpeedJob, methods: list[Method]) -> None:
     """``corpus=`` needs a ``suffix`` method and a readable suffix index file (checked before any load)."""
     if job.corpus is None:
         return
-    if not any((x.spec.decoder or x.name) == "suffix" for x in methods):
+    if not any(x.spec.uses_corpus for x in methods):
         raise ConfigError(
-            f"corpus={job.corpus!r} is read by the suffix methods only: add one (decoder=[...,suffix]) or drop "
-            "corpus=."
+            f"corpus={job.corpus!r} is read by the suffix methods that use a corpus only (uses_corpus: suffix, "
+            "suffix_tree): add one (decoder=[...,suffix]) or drop corpus=."
         )
     from pathlib import Path
 
@@ -125,7 +125,7 @@ def build_runners(
             from fastdecode.exit_adapter import load_adapter
 
             load_adapter(method.options["adapter"], m, tokenizer)
-        if job.corpus and (method.spec.decoder or method.name) == "suffix":  # foreign files fail here
+        if job.corpus and method.spec.uses_corpus:  # foreign files fail here
             method.options = with_corpus(method.options, job.corpus, m, tokenizer)
         if method.is_auto:
             runners[method.name] = AutoRunner(method, auto, job, m)
