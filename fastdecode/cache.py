@@ -8,6 +8,12 @@ fewer speculative tokens than others leave holes. A slot is a column of the buff
 ``key_valid[b, s]`` says whether row ``b`` may attend to slot ``s``. Masked slots contribute exactly zero to
 attention, so decoding stays bit-exact with an unpadded, per-row run in fp32.
 
+Why a block mask (``block``): a token tree's verification (``fastdecode/decoding/tree.py``) writes its nodes
+in consecutive slots, but each node may attend only to its ancestors; the mask every layer builds
+(``layer_mask``, the one place masks are made) composes that block with validity while it is set. After the
+verdict ``reorder`` moves the accepted branch into the slots right after the last accepted token, so the
+cache holds exactly what plain decoding of those tokens would have left and rollback stays a pointer move.
+
 The cache implements the one method Hugging Face attention modules call on a cache,
 ``update(key, value, layer_idx, **kw)``, so HF layers write into it directly (see ``fastdecode/model.py``).
 

@@ -17,7 +17,7 @@ from fastdecode.decoding import DECODERS, DecodeConfig, tree
 from fastdecode.decoding.common import prefill
 from fastdecode.decoding.drafters import ProposerKind, Setup
 from fastdecode.decoding.proposers import Proposer, one_hot
-from fastdecode.decoding.speculative import Draft, Round, verify
+from fastdecode.decoding.speculative import Draft, Round, rule, verify
 from fastdecode.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.helpers import (
@@ -147,6 +147,33 @@ def test_block_mask_composes_with_validity_and_disables_the_maskless_shortcut():
     assert (mask[0, 0] == 0).int().tolist() == [[1, 0, 0], [1, 0, 0], [1, 0, 1]]
     with pytest.raises(ValueError, match="block mask"):
         attention_mask(cache.key_valid, 1, 3, torch.float32, block=cache.block)
+
+
+def test_rule_linearises_the_accepted_branch_everywhere():
+    """t; nodes 0 and 1 under t, node 2 under node 1; the target agrees with node 1 then node 2: two drafts
+    accepted, the branch first in the draft handed to ``settle``, in its features and verifier argmaxes, and
+    in the slots of every cache."""
+    vocab, start = 8, 3
+    logits = torch.zeros(1, 4, vocab)
+    logits[0, torch.arange(4), torch.tensor([5, 1, 6, 2])] = 1.0  # argmax at t, node 0, node 1, node 2
+    features = torch.arange(4.0).reshape(1, 4, 1).expand(-1, -1, 2)
+    draft = Draft(torch.tensor([[4, 5, 6]]), parents=torch.tensor([[-1, -1, 1]]), features=features)
+    caches = [KVCache(1, 1, 1, 2, 8, torch.float32, "cpu") for _ in range(2)]
+    for cache in caches:
+        cache.key_pos.copy_(torch.arange(8)[None])
+    verdict, linear = rule(
+        logits, draft, DecodeConfig(max_new_tokens=4), generator=None, caches=caches, start=start
+    )
+    assert (verdict.accepted.tolist(), verdict.oracle.tolist(), verdict.next_token.tolist()) == (
+        [2],
+        [2],
+        [2],
+    )
+    assert linear.tokens.tolist() == [[5, 6, 4]] and linear.parents is None and linear.row_lengths() == [3]
+    assert linear.features[0, :, 0].tolist() == [0.0, 2.0, 3.0, 1.0]
+    assert verdict.target.tolist() == [[5, 6, 2, 1]]
+    for cache in caches:
+        assert cache.key_pos[0].tolist() == [0, 1, 2, 3, 5, 6, 4, 7]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -286,7 +313,7 @@ def test_tree_drafting_greedy_equals_autoregressive(name):
             assert alone == [ref[i]], (shape, i)
 
 
-@pytest.mark.parametrize("engine", ["hf", "static"])
+@pytest.mark.parametrize("engine", ["hf", "fast", "static"])
 def test_tree_drafting_on_the_execution_paths(engine, monkeypatch):
     """The static-shape cache (and the reference), with verifications padded past the tree
     (``CostModel.run_length``): the padding positions are attended by no node."""

@@ -16,6 +16,12 @@ Sampling stays lossless for every proposer: ``Draft.probs`` holds each drafted t
 the same temperature/top-k/top-p processing as the target's (a one-hot for a deterministic draft such as an
 n-gram lookup), and ``accept`` applies the rule of Leviathan et al. / Chen et al. to it.
 
+A draft may be a token tree (``Draft.parents``; SpecInfer, EAGLE-2): many candidate continuations verified in
+the one pass, each node at its depth's position attending to its ancestors only (the cache's block mask).
+``rule`` then accepts one branch (``tree.py``: the longest agreeing one, or multi-candidate speculative
+sampling), moves it next to t in every cache, and settles it as the chain it has become. A chain
+(``parents`` None) runs exactly the code it always did.
+
 Compiled and static-shape execution is the engine's (``fastdecode/engine.py``); this module is the same on
 every path. Measurements: docs/BENCHMARKS.md.
 """
