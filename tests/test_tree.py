@@ -174,6 +174,10 @@ def test_rule_linearises_the_accepted_branch_everywhere():
     assert verdict.target.tolist() == [[5, 6, 2, 1]]
     for cache in caches:
         assert cache.key_pos[0].tolist() == [0, 1, 2, 3, 5, 6, 4, 7]
+    sampling = DecodeConfig(max_new_tokens=4, temperature=1.0)
+    draft.probs = torch.full((1, 3, vocab), 1 / vocab)  # drawn, not deterministic: the rule would be wrong
+    with pytest.raises(ValueError, match="deterministic"):
+        rule(logits, draft, sampling, generator=torch.Generator(), caches=[], start=start)
 
 
 # --------------------------------------------------------------------------------------------------------
