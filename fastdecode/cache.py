@@ -8,6 +8,12 @@ fewer speculative tokens than others leave holes. A slot is a column of the buff
 ``key_valid[b, s]`` says whether row ``b`` may attend to slot ``s``. Masked slots contribute exactly zero to
 attention, so decoding stays bit-exact with an unpadded, per-row run in fp32.
 
+Why a block mask (``block``): a token tree's verification (``fastdecode/decoding/tree.py``) writes its nodes
+in consecutive slots, but each node may attend only to its ancestors; the mask every layer builds
+(``layer_mask``, the one place masks are made) composes that block with validity while it is set. After the
+verdict ``reorder`` moves the accepted branch into the slots right after the last accepted token, so the
+cache holds exactly what plain decoding of those tokens would have left and rollback stays a pointer move.
+
 The cache implements the one method Hugging Face attention modules call on a cache,
 ``update(key, value, layer_idx, **kw)``, so HF layers write into it directly (see ``fastdecode/model.py``).
 
@@ -59,6 +65,9 @@ class KVCache:
         self.key_pos = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)
         # Counts of tokens written per layer; tests use them to prove each token passes each layer once.
         self.writes = [0] * num_layers
+        # (first slot, [B, W, W] bool) while a token tree is verified (``speculative.verify``): among the W
+        # slots from the first, a query attends only to the keys this block mask allows (its ancestors)
+        self.block: tuple[int, torch.Tensor] | None = None
         self._allocated()
 
     @staticmethod
@@ -127,6 +136,24 @@ class KVCache:
         self.v = [t.index_select(0, rows) for t in self.v]
         self.key_valid = self.key_valid.index_select(0, rows)
         self.key_pos = self.key_pos.index_select(0, rows)
+
+    def reorder(self, start: int, order: torch.Tensor) -> None:
+        """Permute slots ``[start, start + n)`` per row: slot ``start + i`` takes what slot ``start +
+        order[:, i]`` held (``order [B, n]``, a permutation per row), in every layer's keys/values and in
+        ``key_valid``/``key_pos``. Why: a verified token tree's accepted branch moves into consecutive slots
+        after t, so the cache is the one plain decoding of those tokens would have left. In place (a static
+        cache's buffers keep their addresses)."""
+        n = min(order.shape[1], self.capacity - start)
+        if n <= 0:
+            return
+        order = order[:, :n]
+        slots = start + order  # [B, n]
+        for buffers in (self.k, self.v):
+            for buffer in buffers:
+                index = slots[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3])
+                buffer.narrow(2, start, n).copy_(buffer.gather(2, index))
+        for row_state in (self.key_valid, self.key_pos):
+            row_state.narrow(1, start, n).copy_(row_state.gather(1, slots))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """HF-compatible name for ``lengths[layer_idx]``."""
@@ -216,13 +243,16 @@ def attention_mask(
     *,
     key_pos: torch.Tensor | None = None,
     query_pos: torch.Tensor | None = None,
+    block: tuple[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Additive attention mask ``[B, 1, T, S]`` for queries at slots ``query_start .. query_start+T-1``.
 
     ``key_valid`` is ``[B, S]`` (the slots attended to). A query at slot q attends to key slot s iff the slot
     is valid for its row, ``s <= q`` (causal) and, with a sliding ``window``, the key is less than ``window``
     positions back: by ``query_pos [B, T]`` and ``key_pos [B, S]`` when given (a cache with holes), else by
-    slot distance. Blocked entries are the dtype's minimum (not -inf): a fully masked padding row has no NaN.
+    slot distance. ``block`` ``(first slot, [B, W, W] bool)``: the queries are exactly those W slots (a token
+    tree's verification, ``KVCache.block``) and among them attend only where the block allows. Blocked
+    entries are the dtype's minimum (not -inf): a fully masked padding row has no NaN.
     """
     num_keys = key_valid.shape[1]
     device = key_valid.device
@@ -233,6 +263,14 @@ def attention_mask(
         allowed = allowed & (query_pos[:, None, :, None] - key_pos[:, None, None, :] < window)
     elif window is not None:
         allowed = allowed & (s > q - window)[None, None]
+    if block is not None:
+        first, among = block
+        if first != query_start or among.shape[1] != num_queries:
+            raise ValueError(
+                f"a block mask over slots [{first}, {first + among.shape[1]}) but queries at slots "
+                f"[{query_start}, {query_start + num_queries})"
+            )
+        allowed[:, 0, :, first : first + num_queries] &= among
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
@@ -273,6 +311,7 @@ def layer_mask(
         window,
         key_pos=key_pos,
         query_pos=position_ids,
+        block=cache.block,
     )
 
 
@@ -280,7 +319,9 @@ def _maskless(cache: KVCache, past: int, steps: int, window: int | None, *, caus
     """Whether the queries need no materialised mask: a dynamic cache on the CPU (where checking is free)
     with every slot valid, no sliding window, and one query (full attention) or a causal block from slot
     0 (``causal``: the layers apply causality themselves without a mask, SDPA's ``is_causal`` or the lean
-    layers; HF's eager attention does not)."""
+    layers; HF's eager attention does not); never while a token tree's block mask is set."""
+    if cache.block is not None:
+        return False
     if cache.static or window is not None or cache.key_valid.device.type != "cpu":
         return False
     if steps > 1 and (past != 0 or not causal):

@@ -16,18 +16,25 @@ Sampling stays lossless for every proposer: ``Draft.probs`` holds each drafted t
 the same temperature/top-k/top-p processing as the target's (a one-hot for a deterministic draft such as an
 n-gram lookup), and ``accept`` applies the rule of Leviathan et al. / Chen et al. to it.
 
+A draft may be a token tree (``Draft.parents``; SpecInfer, EAGLE-2): many candidate continuations verified in
+the one pass, each node at its depth's position attending to its ancestors only (the cache's block mask).
+``rule`` then accepts one branch (``tree.py``: the longest agreeing one, or multi-candidate speculative
+sampling), moves it next to t in every cache, and settles it as the chain it has become. A chain
+(``parents`` None) runs exactly the code it always did.
+
 Compiled and static-shape execution is the engine's (``fastdecode/engine.py``); this module is the same on
 every path. Measurements: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
 
 from fastdecode.cache import KVCache
+from fastdecode.decoding import tree
 from fastdecode.decoding.common import (
     DecodeConfig,
     DecodeOutput,
@@ -132,6 +139,50 @@ def accept(logits: torch.Tensor, draft: Draft, cfg: DecodeConfig, *, generator: 
     return Verdict(accepted, sample(residual, generator), oracle, target)
 
 
+def rule(
+    logits: torch.Tensor,
+    draft: Draft,
+    cfg: DecodeConfig,
+    *,
+    generator: torch.Generator,
+    caches: list[KVCache],
+    start: int,
+) -> tuple[Verdict, Draft]:
+    """``accept`` for a chain; for a token tree (``draft.parents``) the branch rule of ``tree.py`` (greedy:
+    the longest branch the target agrees with; sampling: multi-candidate speculative sampling), then the
+    accepted branch moved into the slots after t (``start``) of every cache in ``caches`` and returned as a
+    linearised draft (its tokens first, ``lengths`` still the nodes drafted): ``settle`` and ``rollback``
+    then treat it as a chain whose first ``accepted`` drafts were taken."""
+    if draft.parents is None:
+        return accept(logits, draft, cfg, generator=generator), draft
+    tokens, parents, valid = draft.tokens, draft.parents, _valid(draft, logits.device)
+    target = logits.argmax(-1)  # [B, k+1]
+    best = tree.greedy_walk(tokens, parents, valid, target)
+    if cfg.greedy:
+        node, next_token = best, target.gather(1, (best + 1)[:, None])[:, 0]
+    else:
+        if draft.probs is not None and not bool(
+            (draft.probs.gather(-1, tokens[..., None]) == 1)[valid].all()
+        ):
+            raise ValueError("a token tree's drafts must be deterministic (Draft.probs one-hot or None)")
+        uniforms = torch.rand(tokens.shape, generator=generator, device=logits.device)
+        node, residual = tree.sample_walk(tokens, parents, valid, probabilities(logits, cfg), uniforms)
+        next_token = sample(residual, generator)
+    order = tree.path_order(parents, node)  # [B, k]
+    for cache in caches:
+        cache.reorder(start + 1, order)
+    where = torch.cat([order.new_zeros(order.shape[0], 1), order + 1], 1)  # [B, k+1]: t, then the nodes
+    accepted, oracle = tree.node_depth(parents, node), tree.node_depth(parents, best)
+    verdict = Verdict(accepted, next_token, oracle, target.gather(1, where))
+    probs = None if draft.probs is None else draft.probs.gather(1, order[..., None].expand_as(draft.probs))
+    features = draft.features
+    if features is not None:
+        features = features.gather(1, where[..., None].expand_as(features))
+    return verdict, replace(
+        draft, tokens=tokens.gather(1, order), probs=probs, features=features, parents=None
+    )
+
+
 def rollback(
     cache: KVCache, start: int, *, accepted: torch.Tensor, longest: int, ragged: bool = True
 ) -> None:
@@ -229,19 +280,32 @@ def verify(
     ids the proposer reads (``Proposer.feature_layers``), captured into ``draft.features`` on the way.
     ``run``: the positions the forward runs from the embeddings when more than k+1 (``CostModel.run_length``):
     copies of the last draft fill the rest, after the real positions (causal: they change nothing before
-    them), their outputs dropped and their slots beyond what ``rollback`` keeps."""
+    them), their outputs dropped and their slots beyond what ``rollback`` keeps. A token tree
+    (``draft.parents``): each position at t's position plus its depth, attending only to its ancestors (the
+    cache's block mask while the layers run; padding hangs off t, attended by no draft)."""
     k = draft.k
     hidden, depth = draft.hidden, draft.depth
+    if draft.parents is not None and (depth > 0 or hidden is not None):
+        raise ValueError(
+            f"a token tree (Draft.parents) whose drafting already ran {depth} target layers on it: not "
+            "supported (those layers attended causally, not to each node's ancestors); draft a chain, or "
+            "hand the tree over with depth 0 and no hidden states"
+        )
     width = max(run, k + 1) if hidden is None else k + 1
-    pos = (r.positions[:, None] + torch.arange(width, device=m.device)).clamp(
-        max=m.config.max_position_embeddings - 1
-    )
-    if hidden is None:
-        ids = torch.cat([r.last[:, None], draft.tokens], 1)  # [B, k+1]
-        ids = torch.cat([ids, ids[:, -1:].expand(-1, width - k - 1)], 1)  # [B, width]
-        cache.reserve(r.active[:, None].expand_as(ids), r.start, pos)
-        hidden, depth = m.embed(ids, pos), 0
-    hidden, found = run_capturing(m, hidden, depth, pos, cache, layers=features)
+    steps = torch.arange(width, device=m.device)
+    if draft.parents is not None:  # a node sits at t's position plus its depth
+        steps = tree.position_depths(draft.parents, width)
+        cache.block = (r.start, tree.ancestor_mask(draft.parents, width))
+    pos = (r.positions[:, None] + steps).clamp(max=m.config.max_position_embeddings - 1)
+    try:
+        if hidden is None:
+            ids = torch.cat([r.last[:, None], draft.tokens], 1)  # [B, k+1]
+            ids = torch.cat([ids, ids[:, -1:].expand(-1, width - k - 1)], 1)  # [B, width]
+            cache.reserve(r.active[:, None].expand_as(ids), r.start, pos)
+            hidden, depth = m.embed(ids, pos), 0
+        hidden, found = run_capturing(m, hidden, depth, pos, cache, layers=features)
+    finally:
+        cache.block = None
     draft.features = None if found is None else found[:, : k + 1]
     return m.exit_logits(hidden)[:, : k + 1]
 
@@ -274,10 +338,9 @@ def speculate(
         draft = proposer.propose(r)
         run = proposer.costs.run_length(draft.k + 1) if proposer.costs is not None else 0
         logits = verify(m, cache, r, draft, proposer.feature_layers, run=run)
-        verdict = accept(logits, draft, cfg, generator=generator)
-        done, kept = settle(
-            rows, out, draft=draft, verdict=verdict, caches=[cache, *proposer.caches()], start=r.start
-        )
+        caches = [cache, *proposer.caches()]
+        verdict, draft = rule(logits, draft, cfg, generator=generator, caches=caches, start=r.start)
+        done, kept = settle(rows, out, draft=draft, verdict=verdict, caches=caches, start=r.start)
         policy.update(*proposer.feedback(done))
         proposer.update(r, draft, verdict, done)
         last, positions = verdict.next_token, positions + (kept + 1) * r.active
