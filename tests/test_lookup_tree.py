@@ -27,7 +27,14 @@ from fastdecode.decoding.lookup_tree import (
 )
 from fastdecode.decoding.ngram import PromptLookupProposer
 from fastdecode.decoding.speculative import Round, Settled
-from tests.helpers import lively_model, random_prompts
+from tests.helpers import (
+    assert_drafted_and_accepted,
+    exact_joint,
+    lively_model,
+    pair_pvalues,
+    random_prompts,
+    tiny_vocab_model,
+)
 
 autoregressive = DECODERS["autoregressive"]
 CPU_LIKE = CostModel(
@@ -216,6 +223,7 @@ def test_the_draft_is_a_tree_with_padding_off_the_last_token_and_learns_its_path
 
 
 def test_the_prompt_lookup_decoder_with_a_tree_is_lossless(monkeypatch):
+    branched = branching_spy(monkeypatch)
     monkeypatch.setattr("fastdecode.decoding.drafters.cost_model", lambda m, source, batch=1: CPU_LIKE)
     m = lively_model("tiny-llama", 0.1)
     prompts = [p + p[:5] + p for p in random_prompts(3, seed=71)]
@@ -225,6 +233,38 @@ def test_the_prompt_lookup_decoder_with_a_tree_is_lossless(monkeypatch):
         out = DECODERS["prompt_lookup"](m, prompts, cfg)
         assert out.tokens == autoregressive(m, prompts, cfg).tokens
         assert sum(out.drafted) > 0
+    assert any(branched), "no draft branched: the loop verified chains only"
+
+
+def branching_spy(monkeypatch) -> list[bool]:
+    """Records, per draft of a ``TreeLookupProposer``, whether it branched (some node's parent is not the
+    node before it)."""
+    seen: list[bool] = []
+    propose = TreeLookupProposer.propose
+
+    def spy(self, r):
+        draft = propose(self, r)
+        chain = torch.arange(draft.k)[None, :] - 1
+        seen.append(draft.parents is not None and bool((draft.parents[:, 1:] != chain[:, 1:]).any()))
+        return draft
+
+    monkeypatch.setattr(TreeLookupProposer, "propose", spy)
+    return seen
+
+
+def test_sampling_over_lookup_trees_stays_lossless(monkeypatch):
+    """4000 rows, 4 new tokens at temperature 1: every adjacent pair's distribution matches the target's
+    exactly computed one; the trees branched (``1`` goes on with ``4`` and ``5`` in the prompt)."""
+    branched = branching_spy(monkeypatch)
+    m = tiny_vocab_model()
+    prompt = [3, 1, 4, 1, 5, 3, 1, 4, 1, 5, 3, 1, 4]
+    cfg = DecodeConfig(max_new_tokens=4, temperature=1.0, draft_tokens=3, seed=1, costs="estimated")
+    cfg = replace(cfg, policy="constant", lookup=LookupOptions(tree=True))
+    joint = exact_joint(m, prompt, 4, cfg)
+    out = DECODERS["prompt_lookup"](m, [prompt] * 4000, cfg)
+    assert_drafted_and_accepted(out)
+    assert any(branched)
+    assert min(pair_pvalues(out.tokens, joint)) > 1e-3
 
 
 def test_decoders_that_draft_chains_refuse_a_tree():

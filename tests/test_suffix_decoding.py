@@ -63,11 +63,13 @@ def corpus_file(tmp_path, sequences, vocab_size=261, name="corpus.sfx"):
     return str(save_index(tmp_path / name, index, fingerprint={"vocab_size": vocab_size, "vocab_hash": "h"}))
 
 
+@pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("policy", ["constant", "adaptive"])
-def test_greedy_equals_autoregressive_batched_and_single(policy):
+def test_greedy_equals_autoregressive_batched_and_single(policy, tree):
+    """Chains and token trees (verified by the loop: ``Draft.parents``)."""
     m = lively_model("tiny-llama", 0.1)
     prompts = repeating_prompts()
-    cfg = cfg_of(policy=policy)
+    cfg = cfg_of(policy=policy, suffix=SuffixOptions(tree=tree))
     expected = autoregressive(m, prompts, cfg).tokens
     out = suffix(m, prompts, cfg)
     assert out.tokens == expected
@@ -106,28 +108,31 @@ def test_the_global_index_is_bounded_per_model_and_reset():
     assert global_index(m, SuffixOptions(global_size=0), {2}) is None
 
 
+@pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("policy", ["constant", "adaptive"])
-def test_a_corpus_is_drafted_from_and_decoding_stays_exact(tmp_path, policy):
+def test_a_corpus_is_drafted_from_and_decoding_stays_exact(tmp_path, policy, tree):
     """A corpus that holds the answers: drafts come from it (accepted) and the output is autoregressive's."""
     m = EarlyExitModel(tiny_model("tiny-llama")[0])
     prompts = random_prompts(3, seed=5, longest=10)
-    cfg = cfg_of(policy=policy, eos_token_id=None, suffix=SuffixOptions(global_size=0))
+    cfg = cfg_of(policy=policy, eos_token_id=None, suffix=SuffixOptions(global_size=0, tree=tree))
     expected = autoregressive(m, prompts, cfg).tokens
     path = corpus_file(tmp_path, [p + e for p, e in zip(prompts, expected, strict=True)])
-    with_corpus = replace(cfg, suffix=SuffixOptions(global_size=0, corpus=path))
+    with_corpus = replace(cfg, suffix=SuffixOptions(global_size=0, corpus=path, tree=tree))
     out = suffix(m, prompts, with_corpus)
     assert out.tokens == expected
     plain = suffix(m, prompts, cfg)
     assert sum(out.accepted) > sum(plain.accepted)
 
 
-def test_sampling_stays_lossless():
+@pytest.mark.parametrize("tree", [False, True])
+def test_sampling_stays_lossless(tree):
     """4000 rows of one prompt whose text repeats, 4 new tokens: every adjacent pair's distribution matches
-    the target's exactly computed one; drafts were made and some accepted."""
+    the target's exactly computed one; drafts were made and some accepted. Trees: multi-candidate
+    speculative sampling over the branches (the prompt continues ``1`` with ``4`` and ``5``)."""
     m = tiny_vocab_model()
     prompt = [3, 1, 4, 1, 5, 3, 1, 4, 1, 5, 3, 1, 4]
     cfg = DecodeConfig(max_new_tokens=4, temperature=1.0, draft_tokens=3, seed=1, costs="estimated")
-    cfg = replace(cfg, suffix=SuffixOptions(global_size=0, min_prob=0.0))
+    cfg = replace(cfg, suffix=SuffixOptions(global_size=0, min_prob=0.0, tree=tree))
     joint = exact_joint(m, prompt, 4, cfg)
     out = suffix(m, [prompt] * 4000, cfg)
     assert_drafted_and_accepted(out)
