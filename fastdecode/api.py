@@ -232,7 +232,8 @@ class FastDecoder:
         ``DecodeConfig`` fields or their HF aliases (given ones override the plan's). ``chat``: render texts
         through the chat template (None: when the tokenizer has one). ``streamer``: an HF-style streamer
         (``put(ids)``, ``end()``), batch 1 only. ``corpus``: a suffix index file (``fastdecode-suffix-index``)
-        for ``method="suffix"``, checked against this model's tokenizer first."""
+        for ``method="suffix"`` (or a chain with suffix decoding first: ``chain=True, suffix={"first": True}``),
+        checked against this model's tokenizer first."""
         if corpus is not None:
             options = self._with_corpus(method, corpus, options)
         prompts, single = self._prompts(inputs, chat)
@@ -262,14 +263,18 @@ class FastDecoder:
         return GenerationResult(texts, out.tokens, out, cfg, method, single, candidate)
 
     def _with_corpus(self, method: str, corpus: str, options: dict) -> dict:
-        """``options`` with ``decoder.suffix.corpus``; the file checked against the model and its tokenizer."""
+        """``options`` with ``decoder.suffix.corpus`` (``method="suffix"``, or a chain with suffix decoding first);
+        the file checked against the model and its tokenizer."""
         from fastdecode.decoding.suffix_sources import corpus_fingerprint, corpus_index
 
-        if method != "suffix":
-            raise ConfigError(f"corpus= is suffix decoding's: pass method='suffix' (got method={method!r}).")
-        corpus_index(corpus, self.m, fingerprint=corpus_fingerprint(self.tokenizer))
         suffix = options.get("suffix") or {}
         suffix = dataclasses.asdict(suffix) if dataclasses.is_dataclass(suffix) else dict(suffix)
+        if method != "suffix" and not suffix.get("first"):  # a chain with suffix decoding first reads it too
+            raise ConfigError(
+                f"corpus= is suffix decoding's: pass method='suffix', or chain=True with "
+                f"suffix={{'first': True}} (got method={method!r})."
+            )
+        corpus_index(corpus, self.m, fingerprint=corpus_fingerprint(self.tokenizer))
         return options | {"suffix": suffix | {"corpus": str(corpus)}}
 
     def config(self, method: str, *, defaults: bool = True, **options: Any) -> DecodeConfig:

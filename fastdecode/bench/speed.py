@@ -101,7 +101,7 @@ def check_corpus(job: SpeedJob, methods: list[Method]) -> None:
     if not any(x.spec.uses_corpus for x in methods):
         raise ConfigError(
             f"corpus={job.corpus!r} is read by the suffix methods that use a corpus only (uses_corpus: suffix, "
-            "suffix_tree): add one (decoder=[...,suffix]) or drop corpus=."
+            "suffix_tree, the *_suffix_chain ones): add one (decoder=[...,suffix]) or drop corpus=."
         )
     from pathlib import Path
 

@@ -29,7 +29,7 @@ from fastdecode.decoding import (
     suffix,
 )
 from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, prefill
-from fastdecode.decoding.drafters import Offer, PlanInputs, ProposerKind
+from fastdecode.decoding.drafters import FIRST_STAGES, Offer, PlanInputs, ProposerKind
 from fastdecode.decoding.options import JacobiOptions, LookupOptions, SkipOptions, SuffixOptions
 from fastdecode.decoding.policies import POLICIES, DraftPolicy
 from fastdecode.model import EarlyExitModel
@@ -55,6 +55,9 @@ PROPOSERS: dict[str, ProposerKind] = {
     "eagle3": eagle3.KIND,
     "suffix": suffix.KIND,
 }
+
+# A chain's first stages besides prompt lookup (decoder.suffix.first: suffix decoding drafts first).
+FIRST_STAGES["suffix"] = suffix.build
 
 # Every decoding strategy by name: the ones that are not speculation, one per module, then each proposer kind.
 DECODERS: dict[str, Decoder] = {

@@ -1,10 +1,11 @@
-"""The chain: prompt lookup first, per row, and a chainable proposer (the exit, the exit adapter, a draft model,
-``drafters.ProposerKind.chainable``) where the lookup finds nothing; its judge retires that fallback where it
-stops paying.
+"""The chain: a first stage that drafts from text, per row (``FirstStage``: prompt lookup, ``ngram.py``, or
+suffix decoding with ``decoder.suffix.first``, ``suffix.py``), and a chainable proposer (the exit, the exit
+adapter, a draft model, an EAGLE-3 head, ``drafters.ProposerKind.chainable``) where it finds nothing; its
+judge retires that fallback where it stops paying.
 
-When every decoding row matches, the lookup's draft passes the fallback's layers in one forward (``absorb``);
-otherwise the matching rows force their tokens into the fallback's token-by-token draft. Drafts of the lookup
-are deterministic (q one-hot): sampling stays lossless.
+When every decoding row matches, the first stage's draft passes the fallback's layers in one forward
+(``absorb``); otherwise the matching rows force their tokens into the fallback's token-by-token draft. Drafts
+of the first stage are deterministic (q one-hot): sampling stays lossless.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from fastdecode.decoding.ngram import PromptLookupProposer
-from fastdecode.decoding.proposers import Proposer
+import torch
+
+from fastdecode.decoding.common import DecodeConfig
+from fastdecode.decoding.proposers import Proposer, one_hot
 from fastdecode.decoding.speculative import Draft, Round, Verdict
 
 CARRY = 0.75  # the weight earlier calls' evidence keeps at each new call (``Books.carried``)
@@ -63,9 +66,37 @@ def carried_books() -> Books | None:
     return _CARRIED.get()
 
 
+class FirstStage(Proposer):
+    """A chain's first stage: deterministic drafts from text. ``lookup(r)``: per row the tokens to draft this
+    round (empty: none; rows that no longer decode draft nothing); ``learn(done)``: book how its drafts of the
+    round fared (``speculative.Settled``). Its ``name`` labels its rows (``Draft.sources``)."""
+
+    cfg: DecodeConfig
+    vocab_size: int
+
+    def lookup(self, r: Round) -> list[list[int]]:
+        raise NotImplementedError
+
+    def learn(self, done) -> None:
+        raise NotImplementedError
+
+    def pad(self, drafts: list[list[int]], device: torch.device) -> torch.Tensor:
+        """``[B, k]`` drafted ids (k = the longest draft; shorter rows padded with their last token)."""
+        k = max((len(d) for d in drafts), default=0)
+        rows = [d + [d[-1] if d else 0] * (k - len(d)) for d in drafts]
+        return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(drafts), k)
+
+    def propose_found(self, drafts: list[list[int]], device: torch.device) -> Draft:
+        """The draft of the rows' ``drafts`` (deterministic: q one-hot when sampling)."""
+        tokens = self.pad(drafts, device)
+        probs = None if self.cfg.greedy else one_hot(tokens, self.vocab_size)
+        return Draft(tokens, probs, [len(d) for d in drafts], sources=[self.name] * len(drafts))
+
+
 class ChainProposer(Proposer):
-    """Prompt lookup first, per row; ``fallback`` (any chainable proposer: the exit, the exit adapter, a draft
-    model, ``drafters.ProposerKind.chainable``) where the lookup finds nothing.
+    """``lookup`` first, per row (a ``FirstStage``: prompt lookup, or suffix decoding); ``fallback`` (any
+    chainable proposer: the exit, the exit adapter, a draft model, an EAGLE-3 head,
+    ``drafters.ProposerKind.chainable``) where the lookup finds nothing.
 
     The fallback drafts only while it pays on this call's text: once it has drafted ``judge_after`` row-rounds
     and the tokens those rounds yielded (accepted + the verifier's own) fall short of the plain decoding steps
@@ -88,14 +119,14 @@ class ChainProposer(Proposer):
 
     def __init__(
         self,
-        lookup: PromptLookupProposer,
+        lookup: FirstStage,
         fallback: Proposer,
         *,
         judge_after: int = 16,
         books: Books | None = None,
     ) -> None:
         self.lookup, self.fallback = lookup, fallback
-        self.name = f"prompt_lookup+{fallback.name}"
+        self.name = f"{lookup.name}+{fallback.name}"
         self.costs, self.vocab = fallback.costs, fallback.vocab
         self.feature_layers = fallback.feature_layers  # the verification hands them to the fallback
         self.judge_after = judge_after
@@ -134,7 +165,7 @@ class ChainProposer(Proposer):
             draft = self.fallback.draft(r)
             draft.sources = [self.fallback.name] * len(lengths)
             return draft
-        return self.fallback.draft(r, forced=(self.lookup.pad(drafts, r.last.device), lengths))
+        return self.fallback.draft(r, (self.lookup.pad(drafts, r.last.device), lengths), self.lookup.name)
 
     def feedback(self, done) -> tuple[list[int | None], list[int | None]]:
         mine = [source == self.fallback.name for source in done.sources]

@@ -2,7 +2,8 @@
 
 A ``ProposerKind`` is everything fastdecode needs to know about a kind of drafter besides its ``Proposer``
 class (``proposers.py``): its decoder name, its own checks (run before the execution engine is configured),
-how to build its proposer for a call, whether it can follow prompt lookup in a chain (``decoder.chain``), and
+how to build its proposer for a call, whether it can follow prompt lookup (or suffix decoding, with
+``decoder.suffix.first``: ``FIRST_STAGES``) in a chain (``decoder.chain``), and
 what it offers ``auto`` (``offers``: the drafters it can run on a model, priced from what the model's
 checkpoint records). ``PROPOSERS`` in ``fastdecode/decoding/__init__.py`` registers the kinds; each one is also
 a decoder (``generate``), so a new drafter is its module (a ``Proposer`` and its ``ProposerKind``), one line in
@@ -25,7 +26,7 @@ import torch
 from fastdecode.acceptance import AcceptanceRecord
 from fastdecode.config import ConfigError
 from fastdecode.cost import CostModel, cost_model
-from fastdecode.decoding.chain import ChainProposer, carried_books
+from fastdecode.decoding.chain import ChainProposer, FirstStage, carried_books
 from fastdecode.decoding.common import (
     DecodeConfig,
     DecodeOutput,
@@ -37,6 +38,7 @@ from fastdecode.decoding.common import (
 from fastdecode.decoding.ngram import PromptLookupProposer, refuse_tree
 from fastdecode.decoding.proposers import Proposer
 from fastdecode.decoding.speculative import speculate
+from fastdecode.decoding.suffix_sources import corpus_index, remember
 from fastdecode.model import EarlyExitModel
 
 
@@ -93,6 +95,38 @@ class Offer:
         return costs.round_cost(drafted, self.token_cost, self.depth)
 
 
+def lookup_first(s: Setup) -> FirstStage:
+    return PromptLookupProposer(s.prompts, s.cfg, s.costs, s.m.vocab_size)
+
+
+# A chain's first stages by name: prompt lookup here; ``fastdecode/decoding/__init__.py`` adds ``suffix``
+# (whose module imports this one). ``first_stage`` picks one from ``decoder.suffix.first``.
+FIRST_STAGES: dict[str, Callable[[Setup], FirstStage]] = {"prompt_lookup": lookup_first}
+
+
+def first_stage(cfg: DecodeConfig) -> str:
+    return "suffix" if cfg.suffix.first else "prompt_lookup"
+
+
+def check_first(m: EarlyExitModel, cfg: DecodeConfig, name: str) -> None:
+    """Refuse ``decoder.suffix.first`` outside a chain or with token trees (the model drafters that follow
+    draft chains), and a bad corpus file, before any work."""
+    if not cfg.suffix.first:
+        return
+    if not cfg.chain:
+        raise ConfigError(
+            f"decoder.suffix.first=true puts suffix decoding first in a chain: set decoder.chain=true (with "
+            f"'self_speculative', 'assisted' or 'eagle3'), or decoder.suffix.first=false (decoder '{name}')."
+        )
+    if cfg.suffix.tree:
+        raise ConfigError(
+            "decoder.suffix.tree=true: a chain's first stage drafts chains only (the drafter that follows "
+            "drafts chains); set decoder.suffix.tree=false with decoder.suffix.first=true."
+        )
+    if cfg.suffix.corpus is not None:
+        corpus_index(cfg.suffix.corpus, m, stop=cfg.eos_ids, eos=cfg.suffix.eos)
+
+
 def no_check(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft: Any) -> None:
     """The checks of a kind without a draft model or options of its own."""
 
@@ -124,17 +158,20 @@ class ProposerKind:
             )
         if cfg.chain:
             refuse_tree(f"decoder '{self.name}' with decoder.chain=true", cfg)
+        check_first(m, cfg, self.name)
         self.check(m, prompts, cfg, draft)
 
     def proposer(
         self, m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, generator, draft: Any = None
     ) -> Proposer:
-        """The call's proposer, chained after prompt lookup with ``cfg.chain`` (``ngram.ChainProposer``),
-        priced by the target's cost model at the call's batch size. After ``validate``."""
+        """The call's proposer, chained after prompt lookup (or suffix decoding: ``decoder.suffix.first``)
+        with ``cfg.chain`` (``chain.ChainProposer``), priced by the target's cost model at the call's batch
+        size. After ``validate``."""
         costs = cost_model(m, cfg.costs, batch=len(prompts))
-        proposer = self.build(Setup(m, prompts, cfg, generator, costs, draft))
+        setup = Setup(m, prompts, cfg, generator, costs, draft)
+        proposer = self.build(setup)
         if cfg.chain:
-            lookup = PromptLookupProposer(prompts, cfg, costs, m.vocab_size)
+            lookup = FIRST_STAGES[first_stage(cfg)](setup)
             judge_after = cfg.lookup.fallback_trial
             proposer = ChainProposer(lookup, proposer, judge_after=judge_after, books=carried_books())
         return proposer
@@ -150,4 +187,7 @@ class ProposerKind:
                 configure_engine(draft, cfg)
             generator = new_generator(cfg, m.device)
             proposer = self.proposer(m, prompts, cfg, generator, draft)
-            return speculate(m, prompts, cfg, proposer, generator=generator)
+            out = speculate(m, prompts, cfg, proposer, generator=generator)
+        if cfg.chain and cfg.suffix.first:  # as suffix decoding does: the outputs join the global index
+            remember(m, cfg.suffix, cfg.eos_ids, out.tokens)
+        return out

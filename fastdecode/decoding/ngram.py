@@ -23,13 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
-
 from fastdecode.config import ConfigError
 from fastdecode.cost import CostModel, expected_tokens
+from fastdecode.decoding.chain import FirstStage
 from fastdecode.decoding.common import DecodeConfig
 from fastdecode.decoding.options import EOS_CUTS, MATCHES, LookupOptions
-from fastdecode.decoding.proposers import Proposer, one_hot
 from fastdecode.decoding.speculative import Draft, Round, Verdict
 
 
@@ -129,7 +127,7 @@ class AcceptanceStats:
             tally[1] += 1
 
 
-class PromptLookupProposer(Proposer):
+class PromptLookupProposer(FirstStage):
     """Prompt lookup over each row's prompt and output (``decoder.lookup``); see the module docstring."""
 
     name = "prompt_lookup"
@@ -189,20 +187,8 @@ class PromptLookupProposer(Proposer):
         self.matched = [n for _, n in found]
         return [tokens for tokens, _ in found]
 
-    def pad(self, drafts: list[list[int]], device: torch.device) -> torch.Tensor:
-        """``[B, k]`` drafted ids (k = the longest draft; shorter rows padded with their last token)."""
-        k = max((len(d) for d in drafts), default=0)
-        rows = [d + [d[-1] if d else 0] * (k - len(d)) for d in drafts]
-        return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(drafts), k)
-
     def propose(self, r: Round) -> Draft:
         return self.propose_found(self.lookup(r), r.last.device)
-
-    def propose_found(self, drafts: list[list[int]], device: torch.device) -> Draft:
-        """The draft of the rows' lookups ``drafts`` (deterministic: q one-hot when sampling)."""
-        tokens = self.pad(drafts, device)
-        probs = None if self.cfg.greedy else one_hot(tokens, self.vocab_size)
-        return Draft(tokens, probs, [len(d) for d in drafts], sources=[self.name] * len(drafts))
 
     def learn(self, done) -> None:
         """Book the acceptance of this proposer's drafts of the round (``speculative.Settled``)."""

@@ -92,7 +92,9 @@ class SuffixOptions:
     frequency ratios) falls under it is not drafted (SuffixDecoding's ``min_token_prob``); ``global_size``:
     the outputs of earlier calls of this process kept in the global index (the oldest evicted first; 0: no
     global index); ``corpus``: a suffix index file (``fastdecode-suffix-index``), read only, or null;
-    ``eos``: ``before`` (an EOS is never drafted) or ``after`` (it may end a branch)."""
+    ``eos``: ``before`` (an EOS is never drafted) or ``after`` (it may end a branch); ``first``: with
+    ``decoder.chain=true``, suffix decoding is the chain's first stage instead of prompt lookup (chains only:
+    ``tree`` must be false; ``drafters.ProposerKind.proposer``)."""
 
     max_depth: int = 64
     min_match: int = 1
@@ -101,6 +103,7 @@ class SuffixOptions:
     global_size: int = 4096
     corpus: str | None = None
     eos: str = "before"
+    first: bool = False
 
     def __post_init__(self) -> None:
         if self.eos not in EOS_CUTS:

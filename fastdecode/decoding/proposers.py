@@ -42,6 +42,7 @@ from fastdecode.decoding.policies import DraftPolicy, LaggedFlag
 from fastdecode.decoding.speculative import Draft, Round, Verdict
 from fastdecode.model import EarlyExitModel
 
+Forced = tuple[torch.Tensor, list[int]]  # a chain's first-stage drafts [B, m] and their lengths (0: none)
 MARGINAL_SPAN = 16  # marginal costs computed for drafts up to this long (longer ones reuse the last)
 
 
@@ -91,13 +92,13 @@ class Proposer:
     def propose(self, r: Round) -> Draft:
         raise NotImplementedError
 
-    def draft(self, r: Round, forced: tuple[torch.Tensor, list[int]] | None = None) -> Draft:
+    def draft(self, r: Round, forced: Forced | None = None, first: str = "prompt_lookup") -> Draft:
         """Its own draft, where rows ``b`` with ``forced[1][b] > 0`` draft ``forced[0][b, :forced[1][b]]``
-        instead (deterministic: q one-hot)."""
+        instead (deterministic: q one-hot), their source ``first`` (the chain's first stage)."""
         own = self.propose(r)
         if forced is None:
             return own
-        return merge_forced(own, forced, self.name)
+        return merge_forced(own, forced, self.name, first)
 
     def absorb(self, r: Round, tokens: torch.Tensor, lengths: list[int], source: str) -> Draft:
         """A deterministic draft made elsewhere (``tokens [B, k]``, ``lengths`` per row), as its own."""
@@ -115,9 +116,9 @@ class Proposer:
         """After a round settled (``speculative.Settled``)."""
 
 
-def merge_forced(own: Draft, forced: tuple[torch.Tensor, list[int]], name: str) -> Draft:
+def merge_forced(own: Draft, forced: Forced, name: str, first: str = "prompt_lookup") -> Draft:
     """``own`` (drafted by ``name``) with the rows that ``forced`` names replaced by their forced tokens
-    (q one-hot when sampling)."""
+    (q one-hot when sampling; their source ``first``)."""
     tokens, lengths = forced
     width = max(own.k, tokens.shape[1])
     pad = torch.zeros(tokens.shape[0], width, dtype=torch.long, device=tokens.device)
@@ -133,7 +134,7 @@ def merge_forced(own: Draft, forced: tuple[torch.Tensor, list[int]], name: str) 
         mine_q = torch.zeros(*merged.shape, vocab_size, device=merged.device)
         mine_q[:, : own.k] = own.probs
         probs = torch.where(use[..., None], one_hot(merged, vocab_size), mine_q)
-    sources = ["prompt_lookup" if n > 0 else name for n in lengths]
+    sources = [first if n > 0 else name for n in lengths]
     return Draft(merged, probs, row_lengths, sources=sources)
 
 
@@ -234,9 +235,9 @@ class ModelProposer(Proposer):
         offsets = torch.arange(steps, device=self.model.device)
         return (r.positions[:, None] + offsets).clamp(max=self.model.config.max_position_embeddings - 1)
 
-    def draft(self, r: Round, forced: tuple[torch.Tensor, list[int]] | None = None) -> Draft:
+    def draft(self, r: Round, forced: Forced | None = None, first: str = "prompt_lookup") -> Draft:
         """Draft up to ``r.limit`` tokens after ``r.last``. ``forced``: ``(tokens [B, m], lengths)``: row b
-        drafts ``tokens[b, :lengths[b]]`` first (an n-gram match of a chain), then its own, like the others."""
+        drafts ``tokens[b, :lengths[b]]`` first (the match of a chain's ``first`` stage), then its own."""
         d, cache, policy, flag, cfg = self.model, self.cache, self.policy, self.flag, self.cfg
         fixed = 0 if forced is None else max(forced[1])
         limit = max(r.limit, fixed)
@@ -286,7 +287,7 @@ class ModelProposer(Proposer):
             torch.cat(hiddens, 1),
             layers_run=((k + 1) * self.blocks + adapted) * live,
             layer_calls=(k + 1) * self.blocks + adapted,
-            sources=None if forced is None else [self.name if n == 0 else "prompt_lookup" for n in forced[1]],
+            sources=None if forced is None else [self.name if n == 0 else first for n in forced[1]],
         )
 
     def absorb(self, r: Round, tokens: torch.Tensor, lengths: list[int], source: str) -> Draft:

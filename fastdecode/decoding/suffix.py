@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from fastdecode.cost import CostModel
+from fastdecode.decoding.chain import FirstStage
 from fastdecode.decoding.common import DecodeConfig, DecodeOutput
 from fastdecode.decoding.drafters import ProposerKind, Setup
 from fastdecode.decoding.ngram import PRIOR, refuse_exit_layer
-from fastdecode.decoding.proposers import Proposer, one_hot
+from fastdecode.decoding.proposers import one_hot
 from fastdecode.decoding.speculative import Draft, Round, Verdict
 from fastdecode.decoding.suffix_sources import corpus_index, global_index, remember
 from fastdecode.model import EarlyExitModel
@@ -128,8 +129,9 @@ def cut(draft: SuffixDraft, width: int) -> SuffixDraft:
     )
 
 
-class SuffixProposer(Proposer):
-    """Suffix decoding's drafts (see the module docstring)."""
+class SuffixProposer(FirstStage):
+    """Suffix decoding's drafts (see the module docstring); a chain's first stage too (``lookup``, ``learn``:
+    ``decoder.suffix.first``)."""
 
     name = "suffix"
 
@@ -150,6 +152,7 @@ class SuffixProposer(Proposer):
         self.calibration = Calibration()
         self.drafted: list[Candidate | None] = [None] * len(s.prompts)
         self.before: list[int] = [0] * len(s.prompts)  # each row's emitted tokens when it drafted
+        self.round: Round | None = None  # the round it last drafted in (its rows: the emitted tokens)
 
     def candidate(self, row: int, generated: list[int], limit: int) -> Candidate | None:
         """The row's best draft of at most ``limit`` nodes over its indexes, None when none matches."""
@@ -169,7 +172,18 @@ class SuffixProposer(Proposer):
         return best
 
     def propose(self, r: Round) -> Draft:
+        found = self.choose(r)
+        return self.draft_of([c.draft if c is not None else None for c in found], r.last.device)
+
+    def lookup(self, r: Round) -> list[list[int]]:
+        """As a chain's first stage (``decoder.suffix.first``): per row its chain draft's tokens (empty: none)."""
+        return [c.draft.tokens if c is not None else [] for c in self.choose(r)]
+
+    def choose(self, r: Round) -> list[Candidate | None]:
+        """Each row's draft this round (None: none), cut with a cost-aware policy at the width the cost model
+        expects to pay best for the batch (``best_width``); remembered for ``learn``."""
         batch = len(r.rows.tokens)
+        self.round = r
         found: list[Candidate | None] = [None] * batch
         for row in range(batch):
             self.before[row] = len(r.rows.tokens[row])
@@ -183,7 +197,7 @@ class SuffixProposer(Proposer):
                 for c in found
             ]
         self.drafted = found
-        return self.draft_of([c.draft if c is not None else None for c in found], r.last.device)
+        return found
 
     def draft_of(self, drafts: list[SuffixDraft | None], device: torch.device) -> Draft:
         """The loop's ``Draft`` of the rows' suffix drafts: ``[B, k]`` tokens (padding: the row's last token,
@@ -203,10 +217,14 @@ class SuffixProposer(Proposer):
         return Draft(ids, probs, lengths, sources=[self.name] * len(drafts), parents=parents)
 
     def update(self, r: Round, draft: Draft, verdict: Verdict, done) -> None:
-        """Book each drafted row's outcome (``Calibration.learn``) from the tokens it emitted."""
+        self.learn(done)
+
+    def learn(self, done) -> None:
+        """Book each drafted row's outcome (``Calibration.learn``) from the tokens it emitted this round."""
         for row, found in enumerate(self.drafted):
             if found is not None and done.accepted[row] is not None:
-                self.calibration.learn(found.source, found.draft, r.rows.tokens[row][self.before[row] :])
+                emitted = self.round.rows.tokens[row][self.before[row] :]
+                self.calibration.learn(found.source, found.draft, emitted)
 
 
 def check_suffix(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=None) -> None:
