@@ -36,10 +36,12 @@ class SuffixNode:
     (token -> node), or, while unexpanded, ``children=None`` and ``ref=(sequence key, end)``: its one
     occurrence ends at ``end`` in that sequence, whose later tokens are its implicit chain."""
 
-    __slots__ = ("depth", "count", "children", "ref")
+    __slots__ = ("depth", "count", "children", "ref", "order")
 
     def __init__(self, depth: int, ref: tuple[int, int] | None = None, count: int = 1) -> None:
         self.depth, self.count, self.ref = depth, count, ref
+        # (the index's ``version`` when ranked, its children ranked): ``SuffixIndex.ranked``'s memo
+        self.order: tuple[int, list[tuple[int, SuffixNode]]] | None = None
         self.children: dict[int, SuffixNode] | None = None if ref is not None else {}
 
 
@@ -85,6 +87,7 @@ class SuffixIndex:
         # key -> for each start whose path is under max_depth tokens (oldest first), a node on that path
         self.frontiers: dict[int, list[SuffixNode]] = {}
         self.next_key = 0
+        self.version = 0  # bumped by every change of the counts: ``ranked``'s memo is valid while it holds
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -104,6 +107,7 @@ class SuffixIndex:
         """Append ``new_tokens`` [K] to the sequence ``seq_id`` and index the substrings they end."""
         key = self.keys[seq_id]
         tokens, frontier = self.tokens[key], self.frontiers[key]
+        self.version += 1
         for token in new_tokens:
             token = int(token)
             p = len(tokens)  # the new token's position; after the append, frontier[k] is the start p-len+1+k
@@ -146,6 +150,7 @@ class SuffixIndex:
         """Remove the sequence ``seq_id`` and its counts (eviction); every other count stays as it was."""
         key = self.keys.pop(seq_id)
         tokens = self.tokens[key]
+        self.version += 1
         self.root.count -= len(tokens)
         for start in range(len(tokens)):
             node = self.root
@@ -189,8 +194,16 @@ class SuffixIndex:
         return [(t, c.count) for t, c in self.ranked(node)]
 
     def ranked(self, node: SuffixNode) -> list[tuple[int, SuffixNode]]:
-        """``node``'s children as ``(token, child)``, most frequent first, ties by token id."""
-        return sorted(self._expand(node).items(), key=lambda item: (-item[1].count, item[0]))
+        """``node``'s children as ``(token, child)``, most frequent first, ties by token id (not to be mutated).
+
+        Memoised on the node until the counts change (``version``): a read-only corpus, or the global index
+        during a call, ranks a node's children once (a short match's node may have thousands of them)."""
+        memo = node.order
+        if memo is not None and memo[0] == self.version:
+            return memo[1]
+        found = sorted(self._expand(node).items(), key=lambda item: (-item[1].count, item[0]))
+        node.order = (self.version, found)
+        return found
 
     def draft_chain(self, context: Sequence[int], max_tokens: int, min_prob: float = 0.0) -> SuffixDraft:
         """From the longest match of ``context``, follow the most frequent child while the product of the

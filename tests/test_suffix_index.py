@@ -247,3 +247,17 @@ def test_an_index_built_for_another_tokenizer_is_refused(tmp_path):
     with pytest.raises(SuffixIndexFingerprintError, match="another tokenizer") as caught:
         load_index(path, fingerprint={"vocab_hash": "B"})
     assert str(path) in str(caught.value)
+
+
+def test_ranked_children_follow_every_change_of_the_counts():
+    """``ranked`` is memoised per node: extending, adding and removing must each show in the next ranking."""
+    index = SuffixIndex(8)
+    index.add("a", [5, 1, 5, 2])
+    node = index.find([5])
+    assert index.continuations(node) == [(1, 1), (2, 1)]
+    index.extend("a", [5, 2])  # 5 -> 2 twice now
+    assert index.continuations(index.find([5])) == [(2, 2), (1, 1)]
+    index.add("b", [5, 1, 5, 1, 5, 1])
+    assert index.continuations(index.find([5])) == [(1, 4), (2, 2)]
+    index.remove("b")
+    assert index.continuations(index.find([5])) == [(2, 2), (1, 1)]
