@@ -152,7 +152,8 @@ def rule(
     the longest branch the target agrees with; sampling: multi-candidate speculative sampling), then the
     accepted branch moved into the slots after t (``start``) of every cache in ``caches`` and returned as a
     linearised draft (its tokens first, ``lengths`` still the nodes drafted): ``settle`` and ``rollback``
-    then treat it as a chain whose first ``accepted`` drafts were taken."""
+    then treat it as a chain whose first ``accepted`` drafts were taken. Only the longest branch's slots move
+    (the rest are rolled back), and nothing moves when every row's branch is already in place."""
     if draft.parents is None:
         return accept(logits, draft, cfg, generator=generator), draft
     tokens, parents, valid = draft.tokens, draft.parents, _valid(draft, logits.device)
@@ -169,10 +170,12 @@ def rule(
         node, residual = tree.sample_walk(tokens, parents, valid, probabilities(logits, cfg), uniforms)
         next_token = sample(residual, generator)
     order = tree.path_order(parents, node)  # [B, k]
-    for cache in caches:
-        cache.reorder(start + 1, order)
-    where = torch.cat([order.new_zeros(order.shape[0], 1), order + 1], 1)  # [B, k+1]: t, then the nodes
     accepted, oracle = tree.node_depth(parents, node), tree.node_depth(parents, best)
+    moved = int(accepted.max())  # slots past the longest branch are rolled back: nothing to move there
+    if not bool((order[:, :moved] == torch.arange(moved, device=order.device)).all()):
+        for cache in caches:
+            cache.reorder(start + 1, order[:, :moved])
+    where = torch.cat([order.new_zeros(order.shape[0], 1), order + 1], 1)  # [B, k+1]: t, then the nodes
     verdict = Verdict(accepted, next_token, oracle, target.gather(1, where))
     probs = None if draft.probs is None else draft.probs.gather(1, order[..., None].expand_as(draft.probs))
     features = draft.features

@@ -19,7 +19,8 @@ Then one branch is accepted:
 
 Everything here is a pure function over tensors (the loop, the caches and the compaction of the accepted
 branch are ``speculative.py``'s and ``cache.py``'s). Loops run over the k nodes (k is a draft's length, a
-few dozen at most), vectorised over the batch: no host sync.
+few dozen at most). The bookkeeping runs on host lists: per-node device ops cost more than the whole walk on a
+CPU, and the loop syncs once a round anyway.
 """
 
 from __future__ import annotations
@@ -27,39 +28,46 @@ from __future__ import annotations
 import torch
 
 
+def _depths(row: list[int]) -> list[int]:
+    """One row's node depths from its parent list (parents come first)."""
+    found: list[int] = []
+    for parent in row:
+        found.append(1 if parent < 0 else found[parent] + 1)
+    return found
+
+
 def depths(parents: torch.Tensor) -> torch.Tensor:
     """``parents [B, k]`` -> ``[B, k]`` long: each node's depth (a child of t: 1)."""
-    out = torch.zeros_like(parents)
-    for j in range(parents.shape[1]):
-        above = out.gather(1, parents[:, j : j + 1].clamp_min(0))[:, 0]
-        out[:, j] = torch.where(parents[:, j] < 0, 1, above + 1)
-    return out
+    rows = [_depths(row) for row in parents.tolist()]
+    return torch.tensor(rows, dtype=torch.long, device=parents.device).reshape(parents.shape)
 
 
 def ancestor_mask(parents: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """``parents [B, k]`` -> ``[B, W, W]`` bool over the positions ``[t, d1..dk, extra..]``: entry ``[q, s]``
     is True iff position s is q itself or one of its ancestors. ``width`` W >= k + 1 (default k + 1) adds
     padding positions after the drafts; each hangs off t (attends to t and itself), so no draft attends to it
-    and it attends to no draft."""
+    and it attends to no draft. Built on the host: a tree is a few dozen nodes, and per-node device ops
+    cost more than the whole list work on a CPU."""
     batch, k = parents.shape
     width = k + 1 if width is None else width
     if width < k + 1:
         raise ValueError(f"width {width} is less than the {k + 1} positions of t and {k} drafts")
-    eye = torch.eye(width, dtype=torch.bool, device=parents.device)
-    mask = eye.expand(batch, -1, -1).clone()
-    mask[:, :, 0] = True  # every position descends from t
-    for j in range(k):
-        above = mask.gather(1, (parents[:, j] + 1)[:, None, None].expand(-1, 1, width))[:, 0]
-        mask[:, j + 1] |= above
-    return mask
+    masks = []
+    for row in parents.tolist():
+        mask = [[s == 0 or s == q for s in range(width)] for q in range(width)]
+        for j, parent in enumerate(row):
+            if parent >= 0:
+                mask[j + 1] = [a or b for a, b in zip(mask[j + 1], mask[parent + 1], strict=True)]
+        masks.append(mask)
+    return torch.tensor(masks, dtype=torch.bool, device=parents.device).reshape(batch, width, width)
 
 
 def position_depths(parents: torch.Tensor, width: int) -> torch.Tensor:
     """``[B, W]`` long: the depth of each of the ``width`` verified positions (t: 0, padding hanging off t: 1),
     what is added to t's position for rotary embeddings and the cache's key positions."""
-    batch, k = parents.shape
-    pad = torch.ones(batch, width - k - 1, dtype=torch.long, device=parents.device)
-    return torch.cat([pad[:, :0].new_zeros(batch, 1), depths(parents), pad], 1)
+    k = parents.shape[1]
+    rows = [[0, *_depths(row), *[1] * (width - k - 1)] for row in parents.tolist()]
+    return torch.tensor(rows, dtype=torch.long, device=parents.device).reshape(parents.shape[0], width)
 
 
 def greedy_walk(
@@ -70,12 +78,15 @@ def greedy_walk(
     ``tokens, parents, valid [B, k]`` (valid: the nodes each row drafted), ``target [B, k+1]`` the target's
     argmax at ``[t, d1..dk]``. A node matches when its token is the argmax at its parent; at most one child of
     a node matches (distinct siblings), and parents come first, so one pass in draft order walks the branch."""
-    expected = target.gather(1, parents + 1)  # [B, k]: the argmax at each node's parent
-    match = valid & (tokens == expected)
-    node = tokens.new_full((tokens.shape[0],), -1)
-    for j in range(tokens.shape[1]):
-        node = torch.where(match[:, j] & (parents[:, j] == node), j, node)
-    return node
+    found = []
+    rows = zip(tokens.tolist(), parents.tolist(), valid.tolist(), target.tolist(), strict=True)
+    for row_tokens, row_parents, row_valid, row_target in rows:
+        node = -1
+        for j, (token, parent, ok) in enumerate(zip(row_tokens, row_parents, row_valid, strict=True)):
+            if ok and parent == node and token == row_target[parent + 1]:
+                node = j
+        found.append(node)
+    return torch.tensor(found, dtype=torch.long, device=tokens.device)
 
 
 def sample_walk(
@@ -106,20 +117,31 @@ def sample_walk(
     return node, residual
 
 
+def _branch(row: list[int], node: int) -> list[int]:
+    """The nodes from t's child down to ``node`` (-1: none), in depth order."""
+    found = []
+    while node >= 0:
+        found.append(node)
+        node = row[node]
+    return found[::-1]
+
+
 def path_order(parents: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
     """``[B, k]`` long, a permutation of the k nodes per row: the branch from t to ``node [B]`` (-1: none)
     first, in depth order (= node order: parents come first), then every other node in draft order. Slot
     ``i`` of the linearised draft takes node ``order[:, i]``."""
-    k = parents.shape[1]
-    branch = ancestor_mask(parents).gather(1, (node + 1)[:, None, None].expand(-1, 1, k + 1))[:, 0, 1:]
-    index = torch.arange(k, device=parents.device).expand_as(parents)
-    return torch.where(branch, index, index + k).argsort(-1)
+    orders = []
+    for row, end in zip(parents.tolist(), node.tolist(), strict=True):
+        branch = _branch(row, end)
+        on = set(branch)
+        orders.append(branch + [j for j in range(len(row)) if j not in on])
+    return torch.tensor(orders, dtype=torch.long, device=parents.device).reshape(parents.shape)
 
 
 def node_depth(parents: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
     """``[B]`` long: the depth of ``node [B]`` (-1, i.e. t: 0): the drafts a branch ending there accepts."""
-    root = parents.new_zeros(parents.shape[0], 1)
-    return torch.cat([root, depths(parents)], 1).gather(1, (node + 1)[:, None])[:, 0]
+    found = [len(_branch(row, end)) for row, end in zip(parents.tolist(), node.tolist(), strict=True)]
+    return torch.tensor(found, dtype=torch.long, device=parents.device)
 
 
 def chain_parents(batch: int, k: int, device: torch.device | str = "cpu") -> torch.Tensor:
