@@ -17,7 +17,7 @@ from fastdecode.decoding.autoregressive import generate as autoregressive
 from fastdecode.decoding.common import Rows
 from fastdecode.decoding.eagle3 import load_head
 from fastdecode.decoding.eagle3_proposer import Eagle3Proposer
-from fastdecode.decoding.eagle3_tree import grow
+from fastdecode.decoding.eagle3_tree import grow, node_budget
 from fastdecode.decoding.policies import POLICIES as POLICY_CLASSES
 from fastdecode.decoding.speculative import Round
 from fastdecode.eagle3 import Eagle3Config, Eagle3Head
@@ -52,15 +52,15 @@ def branches(parents: torch.Tensor) -> bool:
     return False
 
 
-def one_round(tree: bool, top_k: int = 3):
+def one_round(tree: bool, top_k: int = 3, *, policy: str = "constant", costs=None):
     """Prefill two ragged prompts, draft one round of 4: (the proposer, the round, the draft, the head's
     keys, values and validity of the committed slots before the draft)."""
     m = target("tiny-llama")
     head = load_head(head_dir(m), m)
     prompts = [training_sequences(m)[0, :12].tolist(), [7, 8, 9, 10, 11]]
     cfg = DecodeConfig(max_new_tokens=8, eagle3=Eagle3Options(tree=tree, top_k=top_k))
-    proposer = Eagle3Proposer(m, head, cfg, torch.Generator(), costs=None)
-    proposer.policy = POLICY_CLASSES["constant"](4)
+    proposer = Eagle3Proposer(m, head, cfg, torch.Generator(), costs=costs)
+    proposer.policy = POLICY_CLASSES[policy](4)
     with torch.inference_mode():
         state = proposer.start(m, prompts, 32)
         r = Round(torch.tensor([50, 60]), state.positions, torch.tensor([True, True]), 4, Rows(2, cfg), 12)
@@ -177,3 +177,30 @@ def test_tree_options_are_checked():
     cfg = DecodeConfig(max_new_tokens=4, drafter=head_dir(m), chain=True, eagle3=TREE)
     with pytest.raises(ConfigError, match="decoder.chain=false"):
         eagle3_kind.check(m, [[1, 2, 3]], cfg)
+
+
+class Linear:
+    """A cost model whose verification of T positions costs ``1 + slope * (T - 1)`` steps."""
+
+    def __init__(self, slope: float) -> None:
+        self.slope = slope
+
+    def verify(self, tokens: int) -> float:
+        return 1 + self.slope * (tokens - 1)
+
+
+def test_the_node_budget_is_where_expected_tokens_per_cost_peak():
+    """Path probabilities 0.9, 0.8, 0.1, 0.05 at 0.5 steps per extra position: 1.9 / 1.5 < 2.7 / 2 > 2.8 / 2.5
+    (a finished row's sure nodes do not count); a verification as dear as the steps it could save
+    drafts nothing, and the proposer then hands over an empty draft."""
+    scores = torch.tensor([[0.9, 0.8, 0.1, 0.05], [1.0, 1.0, 1.0, 1.0]]).log()
+    live = torch.tensor([True, False])
+    assert node_budget(scores, live, Linear(0.5), 4) == 2
+    assert node_budget(scores, live, Linear(0.5), 1) == 1
+    assert node_budget(scores, live, Linear(1.0), 4) == 0
+    assert node_budget(scores, live, Linear(0.1), 4) == 2  # 2.7 / 1.2 > 2.8 / 1.3
+    assert node_budget(scores, torch.tensor([True, True]), Linear(0.1), 4) == 4  # a live row's sure nodes
+    _, _, draft, _ = one_round(tree=True, policy="adaptive", costs=Linear(1.0))
+    assert draft.k == 0 and draft.parents is None
+    _, _, draft, _ = one_round(tree=True, policy="adaptive", costs=Linear(0.0))
+    assert draft.k == 4 and draft.parents is not None
