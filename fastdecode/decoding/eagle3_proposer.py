@@ -23,6 +23,10 @@ runs as the target's engine runs linears (``Engine.packed``: packed kernels, pla
              round's first draft. A round of k drafts thus costs k head passes (a dynamic policy's stop is
              read before the next row's pass, which a stopped draft never needs).
 
+With ``decoder.eagle3.tree=true`` propose drafts EAGLE-2's dynamic token tree instead of the chain
+(``propose_tree``, ``eagle3_tree.py``): its rows are cropped the same way, and ``update`` receives the draft
+the loop linearised along the accepted branch, so it writes that branch's rows exactly as for a chain.
+
 Drafts score the head's draft vocabulary, mapped to target ids (``d2t``); when sampling, q is the head's
 distribution after the target's logits processing, zero outside that vocabulary: lossless.
 """
@@ -187,19 +191,14 @@ class Eagle3Proposer(Proposer):
         width = min(r.limit, pool.size)
         if self.policy.cost_aware:
             width = node_budget(torch.cat(pool.scores, 1), r.active, self.costs, width)
-        calls = passes + grown
-        if width == 0:
-            return Draft(
-                r.last.new_zeros(batch, 0),
-                None if self.cfg.greedy else one_hot(r.last.new_zeros(batch, 0), self.m.vocab_size),
-                None,
-                layers_run=calls * live,
-                layer_calls=calls,
-            )
+        calls, run = passes + grown, (passes + grown * top_k) * live
+        if width == 0:  # no tree pays for its verification: a plain step (an empty chain)
+            empty = r.last.new_zeros(batch, 0)
+            probs = None if self.cfg.greedy else one_hot(empty, self.m.vocab_size)
+            return Draft(empty, probs, None, layers_run=run, layer_calls=calls)
         drafted, parents, _ = pool.best(width)
         tokens = self.vocab[drafted]
         probs = None if self.cfg.greedy else one_hot(tokens, self.m.vocab_size)
-        run = (passes + grown * top_k) * live
         return Draft(tokens, probs, None, parents=parents, layers_run=run, layer_calls=calls)
 
     def absorb(self, r: Round, tokens: torch.Tensor, lengths: list[int], source: str) -> Draft:
