@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from fastdecode.api import FastDecoder
 from fastdecode.config import ConfigError
 from fastdecode.decoding import DECODERS, DecodeConfig, Eagle3Options
 from fastdecode.decoding import eagle3 as eagle3_kind
@@ -24,7 +25,7 @@ from fastdecode.eagle3 import Eagle3Config, Eagle3Head
 from fastdecode.eagle3_files import save_eagle3
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.eagle3_heads import head_dir, training_sequences
-from tests.helpers import exact_joint, pair_pvalues, tiny_vocab_model
+from tests.helpers import exact_joint, pair_pvalues, tiny_model, tiny_vocab_model
 from tests.test_eagle3_decoding import mixed_prompts, target
 
 TREE = Eagle3Options(tree=True, top_k=3)
@@ -204,3 +205,15 @@ def test_the_node_budget_is_where_expected_tokens_per_cost_peak():
     assert draft.k == 0 and draft.parents is None
     _, _, draft, _ = one_round(tree=True, policy="adaptive", costs=Linear(0.0))
     assert draft.k == 4 and draft.parents is not None
+
+
+def test_generate_takes_the_tree_option(monkeypatch):
+    """``generate(method="eagle3", eagle3={"tree": True, "top_k": 2})``: trees drafted, the text unchanged."""
+    seen = recording(monkeypatch)
+    m = target("tiny-llama")
+    fd = FastDecoder(m.hf, tiny_model("tiny-llama")[1], m=m)
+    prompts = mixed_prompts(m)[6:10]
+    ref = autoregressive(m, prompts, DecodeConfig(max_new_tokens=12, eos_token_id=m.config.eos_token_id))
+    options = dict(method="eagle3", drafter=head_dir(m), costs="estimated")
+    result = fd.generate(prompts, max_new_tokens=12, eagle3={"tree": True, "top_k": 2}, **options)
+    assert result.ids == ref.tokens and seen and any(branches(parents) for parents in seen)
