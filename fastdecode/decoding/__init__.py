@@ -30,7 +30,13 @@ from fastdecode.decoding import (
 )
 from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, prefill
 from fastdecode.decoding.drafters import FIRST_STAGES, Offer, PlanInputs, ProposerKind
-from fastdecode.decoding.options import JacobiOptions, LookupOptions, SkipOptions, SuffixOptions
+from fastdecode.decoding.options import (
+    Eagle3Options,
+    JacobiOptions,
+    LookupOptions,
+    SkipOptions,
+    SuffixOptions,
+)
 from fastdecode.decoding.policies import POLICIES, DraftPolicy
 from fastdecode.model import EarlyExitModel
 
@@ -95,6 +101,7 @@ __all__ = [
     "DecodeOutput",
     "Decoder",
     "DraftPolicy",
+    "Eagle3Options",
     "JacobiOptions",
     "LookupOptions",
     "SkipOptions",

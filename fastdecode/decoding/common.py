@@ -21,7 +21,7 @@ import torch
 from fastdecode.cache import KVCache
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.cost import SOURCES as COST_SOURCES
-from fastdecode.decoding.options import JacobiOptions, LookupOptions, SkipOptions, SuffixOptions
+from fastdecode.decoding import options
 from fastdecode.decoding.policies import POLICIES
 from fastdecode.engine import default_options
 from fastdecode.fast_linear import KERNELS
@@ -34,10 +34,10 @@ class DecodeConfig:
     pure early exit) runs; ``draft_tokens`` is K for the ``constant`` policy and the largest K for the others.
     ``eos_token_id=None`` never stops early (pass the tokenizer's EOS id(s) to stop at EOS). ``draft_vocab``:
     path of a draft vocabulary file (``fastdecode/data/draft_vocab.py``); the drafter's head then scores only
-    those tokens (verification keeps the full head: still lossless). ``skip``, ``jacobi``, ``suffix``: the
-    options of those decoders (``fastdecode/decoding/options.py``). ``adapter``: an exit adapter directory
-    (``fastdecode/exit_adapter.py``); ``self_speculative`` then drafts through it (E from the adapter).
-    ``lookup``: n-gram drafting; ``chain``: ``self_speculative``/``assisted`` rows draft by lookup where it matches.
+    those tokens (verification keeps the full head: still lossless). ``skip``, ``jacobi``, ``suffix``,
+    ``eagle3``: the options of those decoders (``fastdecode/decoding/options.py``). ``adapter``: an exit
+    adapter directory (``fastdecode/exit_adapter.py``); ``self_speculative`` then drafts through it (E from
+    the adapter). ``lookup``: n-gram drafting; ``chain``: ``self_speculative``/``assisted`` rows draft by lookup where it matches.
     ``costs``: the cost model the policies and n-gram drafts read (``fastdecode/cost.py``): ``measured`` on
     the loaded model (once per model and engine) or ``estimated`` from the weights."""
 
@@ -54,11 +54,11 @@ class DecodeConfig:
     draft_vocab: str | None = None
     adapter: str | None = None
     drafter: str | None = None  # an EAGLE-3 head directory (decoder 'eagle3', fastdecode/eagle3_files.py)
-    # options only one decoder reads, nested under its name (fastdecode/decoding/options.py)
-    skip: SkipOptions = field(default_factory=SkipOptions)
-    jacobi: JacobiOptions = field(default_factory=JacobiOptions)
-    lookup: LookupOptions = field(default_factory=LookupOptions)
-    suffix: SuffixOptions = field(default_factory=SuffixOptions)
+    skip: options.SkipOptions = field(default_factory=options.SkipOptions)  # one decoder's options each
+    jacobi: options.JacobiOptions = field(default_factory=options.JacobiOptions)
+    lookup: options.LookupOptions = field(default_factory=options.LookupOptions)
+    suffix: options.SuffixOptions = field(default_factory=options.SuffixOptions)
+    eagle3: options.Eagle3Options = field(default_factory=options.Eagle3Options)
     chain: bool = False
     costs: str = "measured"
 

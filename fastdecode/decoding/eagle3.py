@@ -6,7 +6,8 @@ SGLang's). Its configuration is checked against the target before its weights lo
 feature layers); the head is loaded once per model and version of its files, on the target's device and
 dtype. The proposer is ``eagle3_proposer.Eagle3Proposer``: verification hands it the target's hidden states at
 the head's feature layers (``speculative.run_capturing``), with no extra pass. With ``decoder.chain=true``
-rows draft by prompt lookup where their text matches, by the head elsewhere.
+rows draft by prompt lookup where their text matches, by the head elsewhere. With ``decoder.eagle3.tree=true``
+the head drafts EAGLE-2's dynamic token trees instead of chains (``eagle3_tree.py``; not in a chain).
 
 ``offers`` tells ``auto`` (``fastdecode/choose.py``) about the head given with the model
 (``PlanInputs.drafter``) when its directory records the head's acceptance (``<dir>/acceptance.json``,
@@ -63,6 +64,11 @@ def check(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=
         raise ConfigError(
             "decoder 'eagle3' needs decoder.drafter: the directory of an EAGLE-3 head trained for this model "
             "(fastdecode.eagle3_files.save_eagle3, or a speculators / SpecForge checkpoint)."
+        )
+    if cfg.eagle3.tree and cfg.chain:
+        raise ConfigError(
+            "decoder.eagle3.tree=true drafts token trees, which a chain (decoder.chain=true) does not draft: "
+            "set decoder.chain=false or decoder.eagle3.tree=false."
         )
     check_head(read_eagle3_config(cfg.drafter), m, cfg.drafter)
 

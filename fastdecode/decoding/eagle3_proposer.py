@@ -23,6 +23,10 @@ runs as the target's engine runs linears (``Engine.packed``: packed kernels, pla
              round's first draft. A round of k drafts thus costs k head passes (a dynamic policy's stop is
              read before the next row's pass, which a stopped draft never needs).
 
+With ``decoder.eagle3.tree=true`` propose drafts EAGLE-2's dynamic token tree instead of the chain
+(``propose_tree``, ``eagle3_tree.py``): its rows are cropped the same way, and ``update`` receives the draft
+the loop linearised along the accepted branch, so it writes that branch's rows exactly as for a chain.
+
 Drafts score the head's draft vocabulary, mapped to target ids (``d2t``); when sampling, q is the head's
 distribution after the target's logits processing, zero outside that vocabulary: lossless.
 """
@@ -34,6 +38,7 @@ import torch
 from fastdecode.cache import KVCache
 from fastdecode.cost import CostModel
 from fastdecode.decoding.common import DecodeConfig, Prefill, left_pad
+from fastdecode.decoding.eagle3_tree import grow, node_budget
 from fastdecode.decoding.policies import LaggedFlag
 from fastdecode.decoding.proposers import Proposer, one_hot, pick_token
 from fastdecode.decoding.speculative import Draft, Round, Verdict, run_capturing
@@ -58,17 +63,26 @@ class HeadRows:
         return self.cache.lengths[0]
 
     def add(
-        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows for ``tokens [B, T]`` at the next ``T`` slots: ``hidden [B, T, F*H]`` target features (of the
         positions before) or ``[B, T, H]`` the head's own output; ``positions [B, T]``; ``valid [B, T]``
-        bool: rows later queries may attend to. -> ``(logits [B, T, S], hidden [B, T, H])``."""
+        bool: rows later queries may attend to; ``mask`` bool ``[B, 1, T, past + T]``: the keys each row
+        attends to (default: the valid earlier rows and causally the new ones; a token tree's rows pass
+        their ancestors', ``eagle3_tree.tree_keys``). -> ``(logits [B, T, S], hidden [B, T, H])``."""
         past, steps = len(self), tokens.shape[1]
         self.cache.reserve(valid, past, positions)
-        valid_keys = self.cache.key_valid[:, None, None, : past + steps]
-        keys = valid_keys & causal_mask(steps, past, tokens.device)  # [B, 1, T, past + T]
-        # a query whose row is invalid still sees its own key (never a query with no key)
-        keys[..., past:] |= torch.eye(steps, dtype=torch.bool, device=tokens.device)
+        keys = mask
+        if keys is None:
+            valid_keys = self.cache.key_valid[:, None, None, : past + steps]
+            keys = valid_keys & causal_mask(steps, past, tokens.device)  # [B, 1, T, past + T]
+            # a query whose row is invalid still sees its own key (never a query with no key)
+            keys[..., past:] |= torch.eye(steps, dtype=torch.bool, device=tokens.device)
         pos = positions.clamp(max=self.m.config.max_position_embeddings - 1)
         return self.head(self.m.token_embed(tokens), hidden, pos, self.cache, keys)
 
@@ -134,6 +148,8 @@ class Eagle3Proposer(Proposer):
         if self.pending is None:
             self.pending, passes = self.last_row(r), passes + 1
         (logits, hidden), self.pending = self.pending, None
+        if self.cfg.eagle3.tree and r.limit > 0:
+            return self.propose_tree(r, logits, hidden, passes)
         rows, cfg, policy, flag = self.head_rows, self.cfg, self.policy, self.flag
         base, tokens, probs = len(rows), [], []
         on = torch.ones_like(r.active)[:, None]
@@ -164,6 +180,26 @@ class Eagle3Proposer(Proposer):
             empty = torch.zeros(batch, 0, self.m.vocab_size, device=r.last.device)
             q_all = torch.stack(probs, 1) if probs else empty
         return Draft(drafted, q_all, None, layers_run=passes * live, layer_calls=passes)
+
+    def propose_tree(self, r: Round, logits: torch.Tensor, hidden: torch.Tensor, passes: int) -> Draft:
+        """An EAGLE-2 dynamic tree from t's row ``(logits [B, 1, S], hidden [B, 1, H])``
+        (``eagle3_tree``); the head's cache is cropped back to where it stood."""
+        rows, batch, live = self.head_rows, r.last.shape[0], int(r.active.sum())
+        base, top_k = len(rows), min(self.cfg.eagle3.top_k, self.vocab.numel())
+        pool, grown = grow(rows, (logits, hidden), r.positions, self.vocab, levels=r.limit, top_k=top_k)
+        rows.crop(base)
+        width = min(r.limit, pool.size)
+        if self.policy.cost_aware:
+            width = node_budget(torch.cat(pool.scores, 1), r.active, self.costs, width)
+        calls, run = passes + grown, (passes + grown * top_k) * live
+        if width == 0:  # no tree pays for its verification: a plain step (an empty chain)
+            empty = r.last.new_zeros(batch, 0)
+            probs = None if self.cfg.greedy else one_hot(empty, self.m.vocab_size)
+            return Draft(empty, probs, None, layers_run=run, layer_calls=calls)
+        drafted, parents, _ = pool.best(width)
+        tokens = self.vocab[drafted]
+        probs = None if self.cfg.greedy else one_hot(tokens, self.m.vocab_size)
+        return Draft(tokens, probs, None, parents=parents, layers_run=run, layer_calls=calls)
 
     def absorb(self, r: Round, tokens: torch.Tensor, lengths: list[int], source: str) -> Draft:
         """A deterministic draft made elsewhere: the head still writes the row of ``r.last``."""

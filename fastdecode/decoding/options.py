@@ -1,5 +1,5 @@
 """Per-decoder option groups, nested in ``DecodeConfig``: ``decoder.jacobi.*``, ``decoder.skip.*``,
-``decoder.lookup.*``, ``decoder.suffix.*``.
+``decoder.lookup.*``, ``decoder.suffix.*``, ``decoder.eagle3.*``.
 
 Why nested: the fields every decoder reads (length, sampling, exit layer, draft policy) stay flat in
 ``DecodeConfig``; options that only one decoder reads sit in a group named after it, so ``common.py`` knows
@@ -17,7 +17,7 @@ from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.jacobi import check_block_size, check_init
 from fastdecode.skipdecode import SkipOptions
 
-__all__ = ["JacobiOptions", "LookupOptions", "SkipOptions", "SuffixOptions"]
+__all__ = ["Eagle3Options", "JacobiOptions", "LookupOptions", "SkipOptions", "SuffixOptions"]
 
 MATCHES = ("recent", "earliest")  # decoder.lookup.match (fastdecode/decoding/ngram.py's NgramIndex)
 EOS_CUTS = ("before", "after")  # decoder.lookup.eos
@@ -124,4 +124,21 @@ class SuffixOptions:
             raise ConfigError(
                 f"decoder.suffix.corpus={self.corpus!r}: give the path of a suffix index file (built by "
                 "fastdecode-suffix-index), or null for none."
+            )
+
+
+@dataclass
+class Eagle3Options:
+    """``decoder.eagle3``: the ``eagle3`` decoder (``fastdecode/decoding/eagle3_tree.py``). ``tree``: draft
+    EAGLE-2's dynamic token trees (the speculative loop verifies them: ``Draft.parents``) instead of a chain;
+    ``top_k``: the children each expanded node offers, and the nodes each level expands. False (the default):
+    a chain, drafted exactly as without this group."""
+
+    tree: bool = False
+    top_k: int = 4
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ConfigError(
+                f"decoder.eagle3.top_k={self.top_k}: need >= 1 (the children each expanded tree node offers)."
             )
