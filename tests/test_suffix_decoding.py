@@ -15,9 +15,16 @@ from fastdecode.config import ConfigError, to_dataclass
 from fastdecode.cost import cost_model
 from fastdecode.decoding import DECODERS, DecodeConfig, SuffixOptions
 from fastdecode.decoding import suffix as suffix_module
+from fastdecode.decoding.chain import CARRY
 from fastdecode.decoding.drafters import Setup
 from fastdecode.decoding.suffix import Calibration, SuffixProposer, best_width
-from fastdecode.decoding.suffix_sources import global_index, global_sizes, remember, reset_global_index
+from fastdecode.decoding.suffix_sources import (
+    carried,
+    global_index,
+    global_sizes,
+    remember,
+    reset_global_index,
+)
 from fastdecode.model import EarlyExitModel
 from fastdecode.suffix_index import SuffixIndex
 from fastdecode.suffix_index_file import (
@@ -235,3 +242,25 @@ def test_calibration_learns_from_what_was_accepted():
     costs = SimpleNamespace(verify=lambda tokens: 1.0 + 0.3 * (tokens - 1))  # a wider pass costs more
     assert best_width(costs, [[0.01, 0.001]], plain=1) == 0  # unlikely drafts are not worth a wider pass
     assert best_width(costs, [[0.99, 0.98, 0.97]], plain=1) >= 1
+
+
+def test_the_calibration_outlives_a_call_decayed_per_model():
+    """A call's proposer starts from what earlier calls on the same model learnt, weighted by ``CARRY``;
+    another model starts afresh; emptying the global index (answers) leaves these statistics."""
+    m, other = lively_model("tiny-llama", 0.1), EarlyExitModel(tiny_model("tiny-llama")[0])
+    prompts, cfg = repeating_prompts(), cfg_of(policy="adaptive")
+    expected = autoregressive(m, prompts, cfg).tokens
+    assert suffix(m, prompts, cfg).tokens == expected
+    learnt = carried(m, "calibration", Calibration)
+    before = {key: list(tally) for key, tally in learnt.counts.items()}
+    assert sum(tried for _, tried in before.values()) > 0
+    reset_global_index()
+    costs = cost_model(m, "estimated")
+    proposer = SuffixProposer(Setup(m, prompts, cfg, torch.Generator(), costs))
+    assert proposer.calibration is learnt
+    assert {key: tally for key, tally in learnt.counts.items()} == {
+        key: [CARRY * accepted, CARRY * tried] for key, (accepted, tried) in before.items()
+    }
+    fresh = SuffixProposer(Setup(other, prompts, cfg, torch.Generator(), costs))
+    assert fresh.calibration is not learnt and fresh.calibration.counts == {}
+    assert suffix(m, prompts, cfg).tokens == expected

@@ -14,7 +14,9 @@ Calibration: a node's raw score (the product of frequency ratios) is overconfide
 continuation seen once has ratio 1). Each step's ratio is replaced by the acceptance seen so far in its bin
 (the index, the match length and the ratio, bucketed), starting from a prior of ratio x prompt lookup's
 first-token acceptance after a match of that length (``ngram.PRIOR``: replayed on SmolLM2's own answers),
-which counts as ``PRIOR_WEIGHT`` observations. How long a draft is: with a cost-aware policy (``adaptive``)
+which counts as ``PRIOR_WEIGHT`` observations. The counts outlive a call (per model, ``suffix_sources.carried``),
+each new call weighing the earlier evidence by ``chain.CARRY``: one call of ~100 tokens is too short to learn
+that, say, the global index's drafts miss on this workload. How long a draft is: with a cost-aware policy (``adaptive``)
 the width where the batch's expected tokens per verification cost is highest (a verification is as wide as
 its widest row, ``PromptLookupProposer.cut``); a row with no match drafts nothing and pays nothing.
 
@@ -28,13 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from fastdecode.cost import CostModel
-from fastdecode.decoding.chain import FirstStage
+from fastdecode.decoding.chain import CARRY, FirstStage
 from fastdecode.decoding.common import DecodeConfig, DecodeOutput
 from fastdecode.decoding.drafters import ProposerKind, Setup
 from fastdecode.decoding.ngram import PRIOR, refuse_exit_layer
 from fastdecode.decoding.proposers import one_hot
 from fastdecode.decoding.speculative import Draft, Round, Verdict
-from fastdecode.decoding.suffix_sources import corpus_index, global_index, remember
+from fastdecode.decoding.suffix_sources import carried, corpus_index, global_index, remember
 from fastdecode.model import EarlyExitModel
 from fastdecode.suffix_index import SuffixDraft, SuffixIndex
 
@@ -60,6 +62,13 @@ class Calibration:
 
     def __init__(self) -> None:
         self.counts: dict[tuple[str, int, int], list[float]] = {}
+
+    def carried(self) -> Calibration:
+        """These counts as a new call starts from them, each weighted by ``CARRY`` (in place): what earlier
+        calls of the process learnt, fading as this call's own evidence arrives."""
+        for tally in self.counts.values():
+            tally[0], tally[1] = CARRY * tally[0], CARRY * tally[1]
+        return self
 
     def ratio(self, source: str, match: int, ratio: float) -> float:
         prior = ratio * PRIOR.get(min(match, max(PRIOR)), PRIOR[max(PRIOR)])[0]
@@ -149,7 +158,7 @@ class SuffixProposer(FirstStage):
             self.shared["global"] = found
         if options.corpus is not None:
             self.shared["corpus"] = corpus_index(options.corpus, s.m, stop=stop, eos=options.eos)
-        self.calibration = Calibration()
+        self.calibration = carried(s.m, "calibration", Calibration).carried()
         self.drafted: list[Candidate | None] = [None] * len(s.prompts)
         self.before: list[int] = [0] * len(s.prompts)  # each row's emitted tokens when it drafted
         self.round: Round | None = None  # the round it last drafted in (its rows: the emitted tokens)

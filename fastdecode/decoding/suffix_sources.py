@@ -25,7 +25,7 @@ import itertools
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ _GLOBAL: weakref.WeakKeyDictionary[Any, dict[tuple, SuffixIndex]] = weakref.Weak
 _LOCK = threading.Lock()
 _IDS = itertools.count()
 _CORPUS = FileCache(maxsize=4)  # per file version, EOS ids and EOS rule
+_CARRIED: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 _SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("suffix_global_scope", default=None)
 
 
@@ -86,6 +87,18 @@ def remember(
         for tokens in outputs:
             if tokens:
                 index.add(next(_IDS), tokens)
+
+
+def carried(m: EarlyExitModel, name: str, make: Callable[[], Any]) -> Any:
+    """A per-model, per-``global_scope`` object of this process that calls carry on (``make()`` the first
+    time): suffix decoding's calibration, so acceptance learnt on this workload outlives one call. Statistics,
+    not text: ``reset_global_index`` leaves it (no answer can leak through it)."""
+    key = (_SCOPE.get(), name)
+    with _LOCK:
+        states = _CARRIED.setdefault(m.hf, {})
+        if key not in states:
+            states[key] = make()
+        return states[key]
 
 
 def reset_global_index() -> None:
