@@ -39,6 +39,7 @@ BAD_INPUT = {
     "fastdecode-lookup-replay": ("lookup_replay", ["num_prompts=0", "model=tiny-llama"], "num_prompts"),
     "fastdecode-export-exit": ("export_exit", ["exit_layer=abc", "checkpoint=nosuch"], "exit_layer"),
     "fastdecode-eagle3-check": ("eagle3_check", ["model=nosuch"], "nosuch"),
+    "fastdecode-suffix-index": ("suffix_index", ["max_depth=abc", "model=tiny-llama"], "max_depth"),
 }
 
 
