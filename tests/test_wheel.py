@@ -74,6 +74,7 @@ def test_console_scripts_compose_and_train_from_another_folder(venv, tmp_path):
         "fastdecode-skipdecode-quality",
         "fastdecode-collect-throughput",
         "fastdecode-lookup-replay",
+        "fastdecode-suffix-index",
     )
     for script in hydra_scripts:
         assert (
