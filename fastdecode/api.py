@@ -31,7 +31,7 @@ import torch
 from fastdecode.acceptance import AcceptanceRecord, read_record
 from fastdecode.assets import is_local_path
 from fastdecode.checkpoint_info import checkpoint_label, recommended_exit
-from fastdecode.choose import PLAN_OWNED, Candidate, Plan, plan_decoding
+from fastdecode.choose import PLAN_OWNED, Candidate, Plan, plan_decoding, with_corpus
 from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
 from fastdecode.cost import cost_batch, cost_model
 from fastdecode.decoding import DecodeConfig, DecodeOutput, get_decoder
@@ -232,19 +232,23 @@ class FastDecoder:
         ``DecodeConfig`` fields or their HF aliases (given ones override the plan's). ``chat``: render texts
         through the chat template (None: when the tokenizer has one). ``streamer``: an HF-style streamer
         (``put(ids)``, ``end()``), batch 1 only. ``corpus``: a suffix index file (``fastdecode-suffix-index``)
-        for ``method="suffix"`` (or a chain with suffix decoding first: ``chain=True, suffix={"first": True}``),
-        checked against this model's tokenizer first."""
-        if corpus is not None:
-            options = self._with_corpus(method, corpus, options)
+        for ``method="suffix"`` (or a chain with suffix decoding first: ``chain=True, suffix={"first": True}``;
+        ``auto`` drafts by suffix decoding over it where it would draft by prompt lookup), checked against this
+        model's tokenizer first."""
+        if corpus is not None:  # a foreign or damaged file fails here, before any work
+            self._check_corpus(corpus)
         prompts, single = self._prompts(inputs, chat)
         candidate = None
         if method == AUTO and not {"exit_layer", "assistant_early_exit", "adapter"} & set(options):
             engine = {k: v for k, v in options.items() if k not in PLAN_OWNED and k in ENGINE_FIELDS}
             engine |= {"drafter": options["drafter"]} if options.get("drafter") else {}
             candidate = self.plan(len(prompts), **engine).best
+            candidate = with_corpus(candidate, str(corpus)) if corpus is not None else candidate
             method, options = candidate.method, candidate.options | options
         elif method == AUTO:  # an exit or adapter given by hand: draft there
             method = "self_speculative"
+        if corpus is not None:
+            options = self._with_corpus(method, corpus, options)
         cfg = self.config(method, max_new_tokens=max_new_tokens, defaults=candidate is None, **options)
         if streamer is not None and len(prompts) > 1:
             raise ConfigError(f"streamer= streams one row; got a batch of {len(prompts)}: pass one prompt.")
@@ -262,11 +266,17 @@ class FastDecoder:
         texts = [self.tokenizer.decode(row, skip_special_tokens=True) for row in out.tokens]
         return GenerationResult(texts, out.tokens, out, cfg, method, single, candidate)
 
-    def _with_corpus(self, method: str, corpus: str, options: dict) -> dict:
-        """``options`` with ``decoder.suffix.corpus`` (``method="suffix"``, or a chain with suffix decoding first);
-        the file checked against the model and its tokenizer."""
+    def _check_corpus(self, corpus: str) -> None:
+        """The corpus file checked against the model and its tokenizer (loaded once per file version)."""
         from fastdecode.decoding.suffix_sources import corpus_fingerprint, corpus_index
 
+        if getattr(self, "_fingerprint", None) is None:  # hashing the vocabulary once, not every call
+            self._fingerprint = corpus_fingerprint(self.tokenizer)
+        corpus_index(corpus, self.m, fingerprint=self._fingerprint)
+
+    def _with_corpus(self, method: str, corpus: str, options: dict) -> dict:
+        """``options`` with ``decoder.suffix.corpus`` (``method="suffix"``, or a chain with suffix decoding first;
+        ``auto`` plans one, ``choose.with_corpus``)."""
         suffix = options.get("suffix") or {}
         suffix = dataclasses.asdict(suffix) if dataclasses.is_dataclass(suffix) else dict(suffix)
         if method != "suffix" and not suffix.get("first"):  # a chain with suffix decoding first reads it too
@@ -274,7 +284,6 @@ class FastDecoder:
                 f"corpus= is suffix decoding's: pass method='suffix', or chain=True with "
                 f"suffix={{'first': True}} (got method={method!r})."
             )
-        corpus_index(corpus, self.m, fingerprint=corpus_fingerprint(self.tokenizer))
         return options | {"suffix": suffix | {"corpus": str(corpus)}}
 
     def config(self, method: str, *, defaults: bool = True, **options: Any) -> DecodeConfig:

@@ -18,13 +18,16 @@ cost. The plan prices each: the draft length K with the most tokens per cost (``
    call where the text makes it stop paying (``ngram.ChainProposer``);
 3. a drafter that cannot be chained, alone.
 
+Given a corpus of the model's own answers (``generate(corpus=)``, ``eval/speed.py corpus=``), ``with_corpus``
+puts suffix decoding in prompt lookup's place, alone and as a chain's first stage.
+
 Candidates are ranked by expected speedup; a drafter not expected to pay is reported in ``not_paying`` with its
 numbers, never run. A candidate's ``options`` are every option it was priced with: ``auto`` runs exactly them.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from fastdecode.acceptance import AcceptanceRecord
 from fastdecode.cost import CostModel, exit_draft_cost, expected_tokens
@@ -160,6 +163,31 @@ def _lookup(costs: CostModel) -> Candidate:
     speedup = LOOKUP_PRIOR.speedup(costs)
     reason = "free drafts from the row's own text; a row with no match pays nothing"
     return Candidate("prompt_lookup", "prompt_lookup", dict(LOOKUP_OPTIONS), speedup, reason)
+
+
+SUFFIX_DRAFT = 8  # the most tokens a suffix draft may have (configs/decoder/suffix.yaml: what was measured)
+
+
+def with_corpus(candidate: Candidate, corpus: str) -> Candidate:
+    """``candidate`` drafting by suffix decoding over ``corpus`` (a suffix index file) where it drafts by
+    prompt lookup: alone, the ``suffix`` decoder; in a chain, its first stage (``decoder.suffix.first``).
+    Other candidates are returned as they are. Why: with a corpus of the model's own answers, suffix decoding
+    drafted at least as well as prompt lookup on every measured prompt set (1.00-1.40x of it, one thread;
+    docs/BENCHMARKS.md, issue 27); without one it did not on open chat, so a plan without a corpus keeps
+    prompt lookup. Its expected speedup stays prompt lookup's prior: no prior is recorded for a corpus."""
+    if candidate.method == "prompt_lookup":
+        options = candidate.options | {"draft_tokens": SUFFIX_DRAFT, "suffix": {"corpus": corpus}}
+        reason = "free drafts from the row's text, earlier outputs and the corpus (suffix decoding)"
+        return replace(
+            candidate, name="suffix", method="suffix", options=options, reason=reason, drafter="suffix"
+        )
+    if candidate.options.get("chain"):
+        options = candidate.options | {"suffix": {"first": True, "corpus": corpus}}
+        name = candidate.name.replace("prompt_lookup+", "suffix+", 1)
+        return replace(
+            candidate, name=name, options=options, reason=f"suffix decoding first; {candidate.reason}"
+        )
+    return candidate
 
 
 def _candidate(kind: ProposerKind, offer: Offer, costs: CostModel, k: int, alone: float) -> Candidate:

@@ -88,8 +88,36 @@ def test_generate_with_a_corpus_is_exact_and_refuses_another_tokenizer(tmp_path,
         "fastdecode.decoding.suffix_sources.tokenizer_fingerprint",
         lambda tok: {"name": "x", "vocab_size": 261, "vocab_hash": "another"},
     )
-    with pytest.raises(SuffixIndexFingerprintError, match="another tokenizer"):
-        fd.generate("one two", method="suffix", corpus=built["output"])
+    with pytest.raises(SuffixIndexFingerprintError, match="another tokenizer"):  # a decoder on another one
+        fastdecode.from_pretrained("tiny-llama").generate("one two", method="suffix", corpus=built["output"])
+
+
+def test_auto_with_a_corpus_drafts_by_suffix_decoding_where_it_would_by_lookup(tmp_path):
+    """``choose.with_corpus``: prompt lookup alone becomes suffix decoding over the corpus, a chain's first
+    stage becomes suffix decoding, anything else stays; ``generate(method="auto", corpus=)`` runs it, exact."""
+    from fastdecode.choose import Candidate, with_corpus
+
+    lookup = Candidate("prompt_lookup", "prompt_lookup", {"chain": False, "draft_tokens": 6}, 1.3, "why")
+    found = with_corpus(lookup, "c.sfx")
+    assert (found.name, found.method, found.options["suffix"], found.options["draft_tokens"]) == (
+        "suffix",
+        "suffix",
+        {"corpus": "c.sfx"},
+        8,
+    )
+    chain = Candidate("prompt_lookup+exit", "self_speculative", {"chain": True, "exit_layer": 2}, 1.4, "why")
+    found = with_corpus(chain, "c.sfx")
+    assert found.name == "suffix+exit" and found.method == "self_speculative"
+    assert found.options["suffix"] == {"first": True, "corpus": "c.sfx"} and found.options["exit_layer"] == 2
+    alone = Candidate("eagle3", "eagle3", {"chain": False}, 1.2, "why")
+    assert with_corpus(alone, "c.sfx") == alone
+    fd = fastdecode.from_pretrained("tiny-llama")
+    built = build(tmp_path, [{"prompt": "q", "response": "one two three one two three one two three"}])
+    expected = fd.generate("one two", method="autoregressive", max_new_tokens=10, chat=False)
+    out = fd.generate("one two", corpus=built["output"], max_new_tokens=10, chat=False)
+    assert out.candidate.name == "suffix" and out.method == "suffix"
+    assert out.ids == expected.ids and out.config.suffix.corpus == built["output"]
+    assert fd.generate("one two", max_new_tokens=10, chat=False).candidate.name == "prompt_lookup"
 
 
 def test_the_benchmark_never_drafts_a_prompt_its_own_answer(tmp_path, monkeypatch):
@@ -141,3 +169,20 @@ def test_the_benchmark_refuses_a_corpus_without_a_suffix_method_or_file(tmp_path
     )
     with pytest.raises(NotASuffixIndexError, match="cannot read it"):
         run_speed(missing)
+
+
+def test_the_benchmarks_auto_row_drafts_over_the_corpus(tmp_path):
+    """``eval/speed.py corpus=`` with ``auto``: its candidate row is suffix decoding over the corpus (not prompt
+    lookup), and the auto row runs that candidate; both exact."""
+    from eval.speed import run as run_speed
+
+    built = build(tmp_path, [{"text": "Count from 1 to 6. 1 2 3 4 5 6"}])
+    cfg = tiny_speed_cfg(
+        tmp_path, "decoder=[autoregressive,auto]", "hf_baseline=null", LIVELY, f"corpus={built['output']}"
+    )
+    result = run_speed(cfg)
+    rows = {row["method"]: row for row in result["summary"]}
+    assert list(rows) == ["autoregressive", "auto", "auto:suffix"]
+    assert result["methods"]["auto:suffix"]["decoder"] == "suffix"
+    assert rows["auto"]["ran"] == ["suffix"]
+    assert rows["auto"]["match_rate"] == 1.0 and rows["auto:suffix"]["match_rate"] == 1.0

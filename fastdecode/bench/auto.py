@@ -31,7 +31,7 @@ from fastdecode.bench.config import (
     check_options,
     resolve_adapter_path,
 )
-from fastdecode.choose import Plan, choose_exit
+from fastdecode.choose import Plan, choose_exit, with_corpus
 from fastdecode.cost import CostModel, decoding_costs, exit_draft_cost
 from fastdecode.decoding.draft_vocab import draft_vocab_ids
 from fastdecode.exit_adapter import load_adapter
@@ -117,6 +117,7 @@ def expand_auto(method: Method, plan: Plan) -> list[Method]:
             method.spec,
             decoder=candidate.method,
             uses_adapter=candidate.options.get("adapter") is not None,
+            uses_corpus=bool((candidate.options.get("suffix") or {}).get("corpus")),
             options=options,
             description=candidate.reason,
         )
@@ -155,5 +156,8 @@ def resolve_after_load(job: SpeedJob, methods: list[Method], m: EarlyExitModel, 
             continue
         resolved.decoder = resolved.decoder or auto_decoder(job, m, tokenizer)
         resolved.plan = resolved.decoder.plan(1, **method.options)
+        if job.corpus:  # suffix decoding over the corpus where the plan drafts by prompt lookup
+            found = resolved.plan
+            resolved.plan = Plan([with_corpus(c, job.corpus) for c in found.candidates], found.not_paying)
         resolved.methods += expand_auto(method, resolved.plan)
     return resolved

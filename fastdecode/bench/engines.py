@@ -75,6 +75,8 @@ class AutoRunner:
     def __init__(self, method: Method, decoder, job: SpeedJob, m: EarlyExitModel) -> None:
         self.decoder, self.m = decoder, m
         self.options = dict(method.options) | {"top_k": job.top_k, "top_p": job.top_p}
+        if job.corpus:  # suffix decoding over it where the plan drafts by prompt lookup (choose.with_corpus)
+            self.options["corpus"] = job.corpus
         self.counters = True
         self.ran: set[str] = set()  # the candidates it ran
 

@@ -101,7 +101,7 @@ def check_corpus(job: SpeedJob, methods: list[Method]) -> None:
     if not any(x.spec.uses_corpus for x in methods):
         raise ConfigError(
             f"corpus={job.corpus!r} is read by the suffix methods that use a corpus only (uses_corpus: suffix, "
-            "suffix_tree, the *_suffix_chain ones): add one (decoder=[...,suffix]) or drop corpus=."
+            "suffix_tree, the *_suffix_chain ones, auto): add one (decoder=[...,suffix]) or drop corpus=."
         )
     from pathlib import Path
 
@@ -125,7 +125,7 @@ def build_runners(
             from fastdecode.exit_adapter import load_adapter
 
             load_adapter(method.options["adapter"], m, tokenizer)
-        if job.corpus and method.spec.uses_corpus:  # foreign files fail here
+        if job.corpus and method.spec.uses_corpus and not method.is_auto:  # foreign files fail here
             method.options = with_corpus(method.options, job.corpus, m, tokenizer)
         if method.is_auto:
             runners[method.name] = AutoRunner(method, auto, job, m)
