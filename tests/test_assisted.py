@@ -118,7 +118,7 @@ def test_drafter_cache_holds_exactly_the_accepted_tokens(monkeypatch):
         fresh = draft.new_cache(1, len(text))
         draft.forward(torch.tensor([text]), cache=fresh)
         for layer in range(draft.num_layers):
-            kept = draft_cache.k[layer][row][:, valid[row]]  # [H_kv, len(text), D]
+            kept = draft_cache.k[layer][row][:, :end][:, valid[row]]  # [H_kv, len(text), D]
             torch.testing.assert_close(kept, fresh.k[layer][0, :, : len(text)], rtol=1e-4, atol=1e-5)
 
 
