@@ -134,6 +134,20 @@ def expected_tokens(acceptance: Sequence[float]) -> float:
     return total
 
 
+def best_node_budget(costs: CostModel, rows: Sequence[Sequence[float]], plain: int) -> int:
+    """The node budget N (0: a plain step) with the most expected tokens per ``costs.verify(N + 1)`` for a
+    batch: ``plain`` decoding rows (each yields the verifier's token), of which ``rows`` drafted, ``rows[r]``
+    the probability that each of its nodes' paths is right, best first (so any first N nodes form a chain or
+    a tree). A greedy tree yields 1 + the sum of its nodes' path probabilities; a verification is as wide as
+    its widest row, so one N serves the batch. Suffix decoding, prompt lookup trees and EAGLE-3 trees."""
+    best, best_rate = 0, plain / costs.verify(1)
+    for width in range(1, max((len(row) for row in rows), default=0) + 1):
+        rate = (plain + sum(sum(row[:width]) for row in rows)) / costs.verify(width + 1)
+        if rate > best_rate:
+            best, best_rate = width, rate
+    return best
+
+
 def best_draft_length(
     costs: CostModel, acceptance: Sequence[float], draft_token: float, depth: int = 0
 ) -> tuple[int, float]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fastdecode.config import ConfigError
-from fastdecode.cost import CostModel, estimate_costs
+from fastdecode.cost import CostModel, best_node_budget, estimate_costs
 from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig, LookupOptions
 from fastdecode.decoding.common import Rows
 from fastdecode.decoding.lookup_tree import (
@@ -22,7 +22,6 @@ from fastdecode.decoding.lookup_tree import (
     best_first,
     continuations,
     merge,
-    tree_width,
     vote,
 )
 from fastdecode.decoding.ngram import PromptLookupProposer
@@ -176,12 +175,12 @@ def test_best_first_keeps_the_most_likely_paths_parents_first():
 
 def test_the_node_budget_maximises_expected_tokens_per_verification_cost():
     rows = [[0.9, 0.5, 0.4, 0.05], [0.3, 0.1], [0.8, 0.8, 0.7]]
-    width = tree_width(rows, 4, CPU_LIKE)
+    width = best_node_budget(CPU_LIKE, rows, 4)
     rates = [4 / CPU_LIKE.verify(1)] + [
         (4 + sum(sum(row[:w]) for row in rows)) / CPU_LIKE.verify(w + 1) for w in range(1, 5)
     ]
     assert width == max(range(5), key=lambda w: rates[w]) and width > 0
-    assert tree_width([[0.01]], 3, CPU_LIKE) == 0 and tree_width([], 3, CPU_LIKE) == 0
+    assert best_node_budget(CPU_LIKE, [[0.01]], 3) == 0 and best_node_budget(CPU_LIKE, [], 3) == 0
 
 
 def test_one_occurrence_drafts_what_the_chain_drafts():

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from fastdecode.config import ConfigError, to_dataclass
-from fastdecode.cost import cost_model
+from fastdecode.cost import best_node_budget, cost_model
 from fastdecode.decoding import DECODERS, DecodeConfig, SuffixOptions
 from fastdecode.decoding import suffix as suffix_module
 from fastdecode.decoding.chain import CARRY
 from fastdecode.decoding.drafters import Setup
-from fastdecode.decoding.suffix import Calibration, SuffixProposer, best_width
+from fastdecode.decoding.suffix import Calibration, SuffixProposer
 from fastdecode.decoding.suffix_sources import (
     carried,
     global_index,
@@ -240,8 +240,10 @@ def test_calibration_learns_from_what_was_accepted():
         accepted.learn("row", chain, [4, 5, 6, 1])
     assert rejected.scores("row", chain)[1] < prior[1] < accepted.scores("row", chain)[1]
     costs = SimpleNamespace(verify=lambda tokens: 1.0 + 0.3 * (tokens - 1))  # a wider pass costs more
-    assert best_width(costs, [[0.01, 0.001]], plain=1) == 0  # unlikely drafts are not worth a wider pass
-    assert best_width(costs, [[0.99, 0.98, 0.97]], plain=1) >= 1
+    assert (
+        best_node_budget(costs, [[0.01, 0.001]], plain=1) == 0
+    )  # unlikely drafts are not worth a wider pass
+    assert best_node_budget(costs, [[0.99, 0.98, 0.97]], plain=1) >= 1
 
 
 def test_the_calibration_outlives_a_call_decayed_per_model():

@@ -13,7 +13,7 @@ Expansion, level by level from the last accepted token t (whose head row the cha
 
 The node budget N: with a cost-aware policy (``adaptive``) the batch's N where the expected tokens, 1 + the
 sum of the kept nodes' path probabilities (a node is accepted iff its whole path is; EAGLE-2 shows the head's
-confidence tracks acceptance), per ``costs.verify(N + 1)`` is best (``lookup_tree.tree_width``); else the
+confidence tracks acceptance), per ``costs.verify(N + 1)`` is best (``cost.best_node_budget``); else the
 round's limit. Levels: the round's limit (the deepest a tree of that many nodes can be). The head passes are
 spent before N is chosen, so they do not enter the cut.
 
@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdecode.cost import CostModel
-from fastdecode.decoding.lookup_tree import tree_width
+from fastdecode.cost import CostModel, best_node_budget
 
 
 class Pool:
@@ -116,4 +115,4 @@ def node_budget(scores: torch.Tensor, live: torch.Tensor, costs: CostModel, limi
     """The batch's node budget: ``scores [B, P]`` log path probabilities of each row's pool, ``live [B]``
     bool rows still decoding -> the N (<= ``limit``) of the most expected tokens per verification cost."""
     best = scores[live].topk(min(limit, scores.shape[1]), -1).values.exp()
-    return tree_width(best.tolist(), int(live.sum()), costs)
+    return best_node_budget(costs, best.tolist(), int(live.sum()))

@@ -11,7 +11,7 @@ betting on the most recent one.
   tokens, each node with the weight of the continuations through it.
 - ``best_first``: the trie's nodes by the estimated probability that their path is right, parents first.
 - ``TreeLookupProposer``: the ``prompt_lookup`` decoder's proposer with a tree; one node budget per batch
-  (``tree_width``), a ``Draft`` with ``parents`` (``speculative.Draft``).
+  (``cost.best_node_budget``), a ``Draft`` with ``parents`` (``speculative.Draft``).
 
 Why the path probability (``best_first``) is an estimate of acceptance: let a(n, i) be the learnt probability
 (``AcceptanceStats``, this proposer's own) that the token after a right path of depth i is among the tree's
@@ -21,7 +21,7 @@ P(child) = P(parent) * a(n, i) * w / W. For a tree of one occurrence (w = W) thi
 ``expected_tokens`` of ``AcceptanceStats.estimate``; siblings share a(n, i) and never claim more together. A
 greedy tree yields 1 + sum over its nodes of P(node) tokens (a node is accepted iff its whole path is right),
 so the best N nodes are the N highest P (each at most its parent's, so they form a tree), and the batch's
-node budget N maximises the batch's expected tokens over ``costs.verify(N + 1)`` (``tree_width``).
+node budget N maximises the batch's expected tokens over ``costs.verify(N + 1)`` (``cost.best_node_budget``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastdecode.cost import CostModel
+from fastdecode.cost import CostModel, best_node_budget
 from fastdecode.decoding.common import DecodeConfig
 from fastdecode.decoding.ngram import PRIOR, NgramIndex, PromptLookupProposer
 from fastdecode.decoding.proposers import one_hot
@@ -179,17 +179,6 @@ def best_first(tree: LookupTree, acceptance: list[float], limit: int) -> tuple[l
     return nodes, probs
 
 
-def tree_width(rows: list[list[float]], plain: int, costs: CostModel) -> int:
-    """The node budget N (0: a plain step) where ``plain`` decoding rows, of which ``rows`` drafted with
-    path probabilities ``rows[r]`` (best first), yield the most expected tokens per ``costs.verify(N + 1)``."""
-    best, best_rate = 0, plain / costs.verify(1)
-    for width in range(1, max((len(row) for row in rows), default=0) + 1):
-        rate = (plain + sum(sum(row[:width]) for row in rows)) / costs.verify(width + 1)
-        if rate > best_rate:
-            best, best_rate = width, rate
-    return best
-
-
 @dataclass
 class RowTree:
     """One row's drafted tree, best first: ``tokens`` [N], ``parents`` [N] (among these N; -1: after the
@@ -220,7 +209,7 @@ def row_tree(tree: LookupTree, acceptance: list[float], limit: int) -> RowTree:
 class TreeLookupProposer(PromptLookupProposer):
     """Prompt lookup drafting a token tree per row (``decoder.lookup.tree``; module docstring): the merged
     continuations of up to ``decoder.lookup.occurrences`` occurrences, at most ``Round.limit`` nodes, with a
-    cost-aware policy at the batch's best node budget (``tree_width``). ``stats``: its own acceptance, booked
+    cost-aware policy at the batch's best node budget (``cost.best_node_budget``). ``stats``: its own acceptance, booked
     along the accepted path (``learn``)."""
 
     name = "prompt_lookup"
@@ -244,11 +233,11 @@ class TreeLookupProposer(PromptLookupProposer):
         return row_tree(tree, self.stats.estimate(n, r.limit), r.limit) if n else RowTree()
 
     def trees(self, r: Round) -> list[RowTree]:
-        """Every row's tree, with a cost-aware policy cut to the batch's node budget (``tree_width``)."""
+        """Every row's tree, with a cost-aware policy cut to the batch's node budget (``cost.best_node_budget``)."""
         trees = [self.tree(r, row) for row in range(len(r.rows.tokens))]
         if self.policy.cost_aware:
             live = [tree for row, tree in enumerate(trees) if not r.rows.finished[row]]
-            width = tree_width([tree.probs for tree in live if tree.tokens], len(live), self.costs)
+            width = best_node_budget(self.costs, [tree.probs for tree in live if tree.tokens], len(live))
             trees = [tree.prefix(width) for tree in trees]
         self.lengths = [len(tree.tokens) for tree in trees]
         self.matched = [tree.n for tree in trees]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdecode.cost import CostModel
+from fastdecode.cost import best_node_budget
 from fastdecode.decoding.chain import CARRY, FirstStage
 from fastdecode.decoding.common import DecodeConfig, DecodeOutput
 from fastdecode.decoding.drafters import ProposerKind, Setup
@@ -115,18 +115,6 @@ class Candidate:
     scores: list[float]
 
 
-def best_width(costs: CostModel, rows: list[list[float]], plain: int) -> int:
-    """The node budget W where the batch's expected tokens per verification cost is highest: ``rows``, per
-    drafting row, its nodes' calibrated scores (best first: the first W nodes of a chain or tree are a chain
-    or tree); ``plain``: the decoding rows (each yields the verifier's token)."""
-    best, best_rate = 0, plain / costs.verify(1)
-    for width in range(1, max((len(row) for row in rows), default=0) + 1):
-        rate = (plain + sum(sum(row[:width]) for row in rows)) / costs.verify(width + 1)
-        if rate > best_rate:
-            best, best_rate = width, rate
-    return best
-
-
 def cut(draft: SuffixDraft, width: int) -> SuffixDraft:
     """The first ``width`` nodes (parents come before their children: still a chain or a tree)."""
     return SuffixDraft(
@@ -190,7 +178,7 @@ class SuffixProposer(FirstStage):
 
     def choose(self, r: Round) -> list[Candidate | None]:
         """Each row's draft this round (None: none), cut with a cost-aware policy at the width the cost model
-        expects to pay best for the batch (``best_width``); remembered for ``learn``."""
+        expects to pay best for the batch (``cost.best_node_budget``); remembered for ``learn``."""
         batch = len(r.rows.tokens)
         self.round = r
         found: list[Candidate | None] = [None] * batch
@@ -200,7 +188,7 @@ class SuffixProposer(FirstStage):
                 found[row] = self.candidate(row, r.rows.tokens[row], r.limit)
         if self.policy.cost_aware:
             plain = sum(not done for done in r.rows.finished)
-            width = best_width(self.costs, [c.scores for c in found if c is not None], plain)
+            width = best_node_budget(self.costs, [c.scores for c in found if c is not None], plain)
             found = [
                 None if c is None or width == 0 else Candidate(c.source, cut(c.draft, width), [])
                 for c in found
