@@ -86,11 +86,19 @@ class FirstStage(Proposer):
         rows = [d + [d[-1] if d else 0] * (k - len(d)) for d in drafts]
         return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(drafts), k)
 
-    def propose_found(self, drafts: list[list[int]], device: torch.device) -> Draft:
-        """The draft of the rows' ``drafts`` (deterministic: q one-hot when sampling)."""
+    def propose_found(
+        self, drafts: list[list[int]], device: torch.device, parents: list[list[int]] | None = None
+    ) -> Draft:
+        """The draft of the rows' ``drafts`` (deterministic: q one-hot when sampling); with ``parents`` (per
+        row, each node's parent among its drafts) a token tree, the padding hanging off t (parent -1)."""
         tokens = self.pad(drafts, device)
         probs = None if self.cfg.greedy else one_hot(tokens, self.vocab_size)
-        return Draft(tokens, probs, [len(d) for d in drafts], sources=[self.name] * len(drafts))
+        found = Draft(tokens, probs, [len(d) for d in drafts], sources=[self.name] * len(drafts))
+        if parents is not None:
+            k = tokens.shape[1]
+            rows = [row + [-1] * (k - len(row)) for row in parents]
+            found.parents = torch.tensor(rows, dtype=torch.long, device=device).reshape(len(drafts), k)
+        return found
 
 
 class ChainProposer(Proposer):

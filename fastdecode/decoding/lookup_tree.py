@@ -30,12 +30,9 @@ import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import torch
-
 from fastdecode.cost import CostModel, best_node_budget
 from fastdecode.decoding.common import DecodeConfig
 from fastdecode.decoding.ngram import PRIOR, NgramIndex, PromptLookupProposer
-from fastdecode.decoding.proposers import one_hot
 from fastdecode.decoding.speculative import Draft, Round
 
 
@@ -245,19 +242,10 @@ class TreeLookupProposer(PromptLookupProposer):
         return trees
 
     def propose(self, r: Round) -> Draft:
-        return self.propose_trees(self.trees(r), r.last.device)
-
-    def propose_trees(self, trees: list[RowTree], device: torch.device) -> Draft:
-        """The ``Draft`` of ``trees``: ``tokens`` and ``parents`` [B, k] (k: the most nodes of a row; padding
-        repeats a row's last token and hangs off its last accepted token, parent -1), q one-hot when
-        sampling."""
-        tokens = self.pad([tree.tokens for tree in trees], device)
-        k = tokens.shape[1]
-        parents = [tree.parents + [-1] * (k - len(tree.parents)) for tree in trees]
-        parents_t = torch.tensor(parents, dtype=torch.long, device=device).reshape(len(trees), k)
-        probs = None if self.cfg.greedy else one_hot(tokens, self.vocab_size)
-        lengths = [len(tree.tokens) for tree in trees]
-        return Draft(tokens, probs, lengths, sources=[self.name] * len(trees), parents=parents_t)
+        trees = self.trees(r)
+        return self.propose_found(
+            [tree.tokens for tree in trees], r.last.device, [tree.parents for tree in trees]
+        )
 
     def learn(self, done) -> None:
         """Book each drafting row's accepted path: positions 0..accepted-1 landed, and position ``accepted``

@@ -27,14 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from fastdecode.cost import best_node_budget
 from fastdecode.decoding.chain import CARRY, FirstStage
 from fastdecode.decoding.common import DecodeConfig, DecodeOutput
 from fastdecode.decoding.drafters import ProposerKind, Setup
 from fastdecode.decoding.ngram import PRIOR, refuse_exit_layer
-from fastdecode.decoding.proposers import one_hot
 from fastdecode.decoding.speculative import Draft, Round, Verdict
 from fastdecode.decoding.suffix_sources import carried, corpus_index, global_index, remember
 from fastdecode.model import EarlyExitModel
@@ -169,8 +166,9 @@ class SuffixProposer(FirstStage):
         return best
 
     def propose(self, r: Round) -> Draft:
-        found = self.choose(r)
-        return self.draft_of([c.draft if c is not None else None for c in found], r.last.device)
+        drafts = [c.draft if c is not None else SuffixDraft() for c in self.choose(r)]
+        parents = [d.parents for d in drafts] if self.options.tree else None
+        return self.propose_found([d.tokens for d in drafts], r.last.device, parents)
 
     def lookup(self, r: Round) -> list[list[int]]:
         """As a chain's first stage (``decoder.suffix.first``): per row its chain draft's tokens (empty: none)."""
@@ -195,23 +193,6 @@ class SuffixProposer(FirstStage):
             ]
         self.drafted = found
         return found
-
-    def draft_of(self, drafts: list[SuffixDraft | None], device: torch.device) -> Draft:
-        """The loop's ``Draft`` of the rows' suffix drafts: ``[B, k]`` tokens (padding: the row's last token,
-        or 0), ``parents`` with ``decoder.suffix.tree`` (padding hangs off t), q one-hot when sampling."""
-        lengths = [len(d.tokens) if d is not None else 0 for d in drafts]
-        k = max(lengths, default=0)
-        tokens = [
-            (d.tokens if d else []) + [(d.tokens[-1] if d else 0)] * (k - n)
-            for d, n in zip(drafts, lengths, strict=True)
-        ]
-        ids = torch.tensor(tokens, dtype=torch.long, device=device).reshape(len(drafts), k)
-        parents = None
-        if self.options.tree:
-            rows = [(d.parents if d else []) + [-1] * (k - n) for d, n in zip(drafts, lengths, strict=True)]
-            parents = torch.tensor(rows, dtype=torch.long, device=device).reshape(len(drafts), k)
-        probs = None if self.cfg.greedy else one_hot(ids, self.vocab_size)
-        return Draft(ids, probs, lengths, sources=[self.name] * len(drafts), parents=parents)
 
     def update(self, r: Round, draft: Draft, verdict: Verdict, done) -> None:
         self.learn(done)
