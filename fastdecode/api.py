@@ -184,6 +184,7 @@ class FastDecoder:
         self.defaults = _checkpoint_defaults(directory, adapter, recommended)
         self.adapter = self.defaults["self_speculative"].get("adapter")
         self.drafter = drafter  # an EAGLE-3 head directory (decoder 'eagle3')
+        self._fingerprint: dict | None = None  # the tokenizer's, for corpus files (``_check_corpus``)
         if drafter is not None:
             self.defaults["eagle3"] = {"drafter": drafter}
         self.record = record if record is not None else read_record(directory)
@@ -270,7 +271,7 @@ class FastDecoder:
         """The corpus file checked against the model and its tokenizer (loaded once per file version)."""
         from fastdecode.decoding.suffix_sources import corpus_fingerprint, corpus_index
 
-        if getattr(self, "_fingerprint", None) is None:  # hashing the vocabulary once, not every call
+        if self._fingerprint is None:  # the vocabulary hashed once, not every call
             self._fingerprint = corpus_fingerprint(self.tokenizer)
         corpus_index(corpus, self.m, fingerprint=self._fingerprint)
 

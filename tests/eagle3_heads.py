@@ -86,3 +86,13 @@ def random_head_dir(out: Path, name: str = "tiny-llama") -> str:
     config = tiny_model(name)[0].config
     head = Eagle3Head(Eagle3Config.from_target(config, draft_vocab_size=config.vocab_size))
     return str(save_eagle3(head, head.config, out / "eagle3", verifier_name=name))
+
+
+def random_tiny_vocab_head(m: EarlyExitModel, out: Path) -> str:
+    """A random-init head for ``tests.helpers.tiny_vocab_model()`` over 6 of its 8 tokens (its q far from p
+    and far from one-hot: what sampling tests need), saved in ``out/head``."""
+    config = Eagle3Config.from_target(m.config, draft_vocab_size=6, aux_layer_ids=[0, 1, 2])
+    torch.manual_seed(0)
+    head = Eagle3Head(config)
+    head.set_draft_vocab([0, 1, 2, 3, 5, 7])
+    return str(save_eagle3(head, config, out / "head", verifier_name="tiny"))

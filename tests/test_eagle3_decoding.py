@@ -30,7 +30,14 @@ from fastdecode.eagle3_files import WEIGHTS_FILE, Eagle3FileError, save_eagle3
 from fastdecode.eagle3_layer import Eagle3KV
 from fastdecode.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
-from tests.eagle3_heads import head_dir, random_head_dir, target_batch, train_head, training_sequences
+from tests.eagle3_heads import (
+    head_dir,
+    random_head_dir,
+    random_tiny_vocab_head,
+    target_batch,
+    train_head,
+    training_sequences,
+)
 from tests.helpers import (
     assert_drafted_and_accepted,
     exact_joint,
@@ -188,11 +195,7 @@ def test_eagle3_sampling_matches_the_target_distribution(tmp_path, chain):
     draft its tokens, q one-hot); every adjacent pair's distribution matches the target's exactly computed
     one."""
     m = tiny_vocab_model()
-    cfg_head = Eagle3Config.from_target(m.config, draft_vocab_size=6, aux_layer_ids=[0, 1, 2])
-    torch.manual_seed(0)
-    head = Eagle3Head(cfg_head)  # random: its q is far from p and far from one-hot
-    head.set_draft_vocab([0, 1, 2, 3, 5, 7])
-    save_eagle3(head, cfg_head, tmp_path / "head", verifier_name="tiny")
+    head = random_tiny_vocab_head(m, tmp_path)
     prompt, samples = [3, 1, 4, 1, 5], 4000
     cfg = DecodeConfig(
         max_new_tokens=4,
@@ -200,7 +203,7 @@ def test_eagle3_sampling_matches_the_target_distribution(tmp_path, chain):
         draft_tokens=3,
         seed=3,
         costs="estimated",
-        drafter=str(tmp_path / "head"),
+        drafter=head,
         chain=chain,
         lookup=LookupOptions(fallback_trial=0),  # never retired
     )

@@ -21,10 +21,8 @@ from fastdecode.decoding.eagle3_proposer import Eagle3Proposer
 from fastdecode.decoding.eagle3_tree import grow, node_budget
 from fastdecode.decoding.policies import POLICIES as POLICY_CLASSES
 from fastdecode.decoding.speculative import Round
-from fastdecode.eagle3 import Eagle3Config, Eagle3Head
-from fastdecode.eagle3_files import save_eagle3
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
-from tests.eagle3_heads import head_dir, training_sequences
+from tests.eagle3_heads import head_dir, random_tiny_vocab_head, training_sequences
 from tests.helpers import exact_joint, pair_pvalues, tiny_model, tiny_vocab_model
 from tests.test_eagle3_decoding import mixed_prompts, target
 
@@ -147,11 +145,7 @@ def test_tree_sampling_matches_the_target_distribution(tmp_path, monkeypatch):
     of the 8 tokens: accepted and rejected branches, every adjacent pair's distribution the target's."""
     seen = recording(monkeypatch)
     m = tiny_vocab_model()
-    cfg_head = Eagle3Config.from_target(m.config, draft_vocab_size=6, aux_layer_ids=[0, 1, 2])
-    torch.manual_seed(0)
-    head = Eagle3Head(cfg_head)
-    head.set_draft_vocab([0, 1, 2, 3, 5, 7])
-    save_eagle3(head, cfg_head, tmp_path / "head", verifier_name="tiny")
+    head = random_tiny_vocab_head(m, tmp_path)
     prompt, samples = [3, 1, 4, 1, 5], 4000
     cfg = DecodeConfig(
         max_new_tokens=4,
@@ -160,7 +154,7 @@ def test_tree_sampling_matches_the_target_distribution(tmp_path, monkeypatch):
         seed=3,
         costs="estimated",
         policy="constant",
-        drafter=str(tmp_path / "head"),
+        drafter=head,
         eagle3=Eagle3Options(tree=True, top_k=2),
     )
     joint = exact_joint(m, prompt, 4, cfg)

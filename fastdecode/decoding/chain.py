@@ -182,6 +182,9 @@ class ChainProposer(Proposer):
             [d if own else None for d, own in zip(done.lengths, mine, strict=True)],
         )
 
+    def finish(self, out) -> None:
+        self.lookup.finish(out)
+
     def update(self, r: Round, draft: Draft, verdict: Verdict, done) -> None:
         self.lookup.learn(done)
         self.fallback.update(r, draft, verdict, done)

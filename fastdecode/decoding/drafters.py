@@ -38,7 +38,7 @@ from fastdecode.decoding.common import (
 from fastdecode.decoding.ngram import PromptLookupProposer, refuse_tree
 from fastdecode.decoding.proposers import Proposer
 from fastdecode.decoding.speculative import speculate
-from fastdecode.decoding.suffix_sources import corpus_index, remember
+from fastdecode.decoding.suffix_sources import corpus_of
 from fastdecode.model import EarlyExitModel
 
 
@@ -123,8 +123,7 @@ def check_first(m: EarlyExitModel, cfg: DecodeConfig, name: str) -> None:
             "decoder.suffix.tree=true: a chain's first stage drafts chains only (the drafter that follows "
             "drafts chains); set decoder.suffix.tree=false with decoder.suffix.first=true."
         )
-    if cfg.suffix.corpus is not None:
-        corpus_index(cfg.suffix.corpus, m, stop=cfg.eos_ids, eos=cfg.suffix.eos)
+    corpus_of(m, cfg.suffix, cfg.eos_ids)
 
 
 def no_check(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft: Any) -> None:
@@ -188,6 +187,5 @@ class ProposerKind:
             generator = new_generator(cfg, m.device)
             proposer = self.proposer(m, prompts, cfg, generator, draft)
             out = speculate(m, prompts, cfg, proposer, generator=generator)
-        if cfg.chain and cfg.suffix.first:  # as suffix decoding does: the outputs join the global index
-            remember(m, cfg.suffix, cfg.eos_ids, out.tokens)
+        proposer.finish(out)
         return out

@@ -115,6 +115,9 @@ class Proposer:
     def update(self, r: Round, draft: Draft, verdict: Verdict, done: Any) -> None:
         """After a round settled (``speculative.Settled``)."""
 
+    def finish(self, out: Any) -> None:
+        """After the call decoded ``out`` (``DecodeOutput``): suffix decoding's outputs join its index."""
+
 
 def merge_forced(own: Draft, forced: Forced, name: str, first: str = "prompt_lookup") -> Draft:
     """``own`` (drafted by ``name``) with the rows that ``forced`` names replaced by their forced tokens

@@ -170,7 +170,8 @@ def rule(
         node, residual = tree.sample_walk(tokens, parents, valid, probabilities(logits, cfg), uniforms)
         next_token = sample(residual, generator)
     order = tree.path_order(parents, node)  # [B, k]
-    accepted, oracle = tree.node_depth(parents, node), tree.node_depth(parents, best)
+    accepted = tree.node_depth(parents, node)
+    oracle = accepted if cfg.greedy else tree.node_depth(parents, best)
     moved = int(accepted.max())  # slots past the longest branch are rolled back: nothing to move there
     if not bool((order[:, :moved] == torch.arange(moved, device=order.device)).all()):
         for cache in caches:

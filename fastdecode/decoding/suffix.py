@@ -33,7 +33,7 @@ from fastdecode.decoding.common import DecodeConfig, DecodeOutput
 from fastdecode.decoding.drafters import ProposerKind, Setup
 from fastdecode.decoding.ngram import PRIOR, refuse_exit_layer
 from fastdecode.decoding.speculative import Draft, Round, Verdict
-from fastdecode.decoding.suffix_sources import carried, corpus_index, global_index, remember
+from fastdecode.decoding.suffix_sources import carried, corpus_of, global_index, remember
 from fastdecode.model import EarlyExitModel
 from fastdecode.suffix_index import SuffixDraft, SuffixIndex
 
@@ -130,7 +130,7 @@ class SuffixProposer(FirstStage):
     name = "suffix"
 
     def __init__(self, s: Setup) -> None:
-        self.cfg, self.costs, self.vocab_size = s.cfg, s.costs, s.m.vocab_size
+        self.m, self.cfg, self.costs, self.vocab_size = s.m, s.cfg, s.costs, s.m.vocab_size
         self.options = options = s.cfg.suffix
         stop = s.cfg.eos_ids
         self.prompts = s.prompts
@@ -141,8 +141,9 @@ class SuffixProposer(FirstStage):
         found = global_index(s.m, options, stop)
         if found is not None:
             self.shared["global"] = found
-        if options.corpus is not None:
-            self.shared["corpus"] = corpus_index(options.corpus, s.m, stop=stop, eos=options.eos)
+        corpus = corpus_of(s.m, options, stop)
+        if corpus is not None:
+            self.shared["corpus"] = corpus
         self.calibration = carried(s.m, "calibration", Calibration).carried()
         self.drafted: list[Candidate | None] = [None] * len(s.prompts)
         self.before: list[int] = [0] * len(s.prompts)  # each row's emitted tokens when it drafted
@@ -197,6 +198,10 @@ class SuffixProposer(FirstStage):
     def update(self, r: Round, draft: Draft, verdict: Verdict, done) -> None:
         self.learn(done)
 
+    def finish(self, out: DecodeOutput) -> None:
+        """The call's outputs join the global index (alone, or first in a chain)."""
+        remember(self.m, self.options, self.cfg.eos_ids, out.tokens)
+
     def learn(self, done) -> None:
         """Book each drafted row's outcome (``Calibration.learn``) from the tokens it emitted this round."""
         for row, found in enumerate(self.drafted):
@@ -209,24 +214,12 @@ def check_suffix(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig,
     """Refuse an exit layer, and a corpus file that is damaged, foreign or for another vocabulary (loaded
     here, once per file version, before any decoding)."""
     refuse_exit_layer("suffix", cfg)
-    if cfg.suffix.corpus is not None:
-        corpus_index(cfg.suffix.corpus, m, stop=cfg.eos_ids, eos=cfg.suffix.eos)
-
-
-class SuffixKind(ProposerKind):
-    """The ``suffix`` kind: a call's outputs join the global index when it ends."""
-
-    def generate(
-        self, m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=None
-    ) -> DecodeOutput:
-        out = super().generate(m, prompts, cfg, draft)
-        remember(m, cfg.suffix, cfg.eos_ids, out.tokens)
-        return out
+    corpus_of(m, cfg.suffix, cfg.eos_ids)
 
 
 def build(s: Setup) -> SuffixProposer:
     return SuffixProposer(s)
 
 
-KIND = SuffixKind("suffix", build, check=check_suffix)
+KIND = ProposerKind("suffix", build, check=check_suffix)
 generate = KIND.generate

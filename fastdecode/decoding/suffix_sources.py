@@ -120,6 +120,14 @@ def _load(path: Path, stop: frozenset[int], eos: str) -> tuple[Any, SuffixIndex,
     return header.get("fingerprint"), index, largest
 
 
+def corpus_of(m: EarlyExitModel, options: SuffixOptions, stop: Iterable[int]) -> SuffixIndex | None:
+    """The corpus index ``decoder.suffix.corpus`` names (``corpus_index``: loaded once per file version,
+    checked against ``m``), None without one."""
+    if options.corpus is None:
+        return None
+    return corpus_index(options.corpus, m, stop=stop, eos=options.eos)
+
+
 def corpus_index(
     path: str | os.PathLike,
     m: EarlyExitModel,
