@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fastdecode.config import ConfigError, unknown_name_error
-from fastdecode.exit_adapter import INITS, KINDS, check_exit_layer
+from fastdecode.drafters.exits.adapter import INITS, KINDS, check_exit_layer
 from fastdecode.training.feature_config import FeatureConfig
 
 TARGETS = ("topk", "full")

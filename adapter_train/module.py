@@ -8,8 +8,8 @@ from torch import nn
 
 from adapter_train.config import LossConfig
 from adapter_train.losses import agreement, cross_entropy, kl_full, kl_topk
-from fastdecode.exit_adapter import ExitAdapter
-from fastdecode.model import EarlyExitModel
+from fastdecode.drafters.exits.adapter import ExitAdapter
+from fastdecode.runtime.model import EarlyExitModel
 
 
 class AdapterLM(nn.Module):

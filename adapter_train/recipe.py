@@ -1,7 +1,7 @@
 """``recipe=exit_adapter``: exit adapters on a frozen model (Kangaroo: "Kangaroo: Lossless Self-Speculative
 Decoding via Double Early Exiting", Liu et al., 2024).
 
-The ``fastdecode_recipes.finetune`` sequence with ``AdapterLM`` under ``AdapterTrainer``: exits and the given
+The ``recipes.finetune`` sequence with ``AdapterLM`` under ``AdapterTrainer``: exits and the given
 draft vocabulary checked (before the weights load) -> model frozen and fingerprinted (``loaded``) -> data ->
 draft vocabulary -> feature cache (layer-E features + teacher targets, computed once, resumable: the
 Trainer's dataset) -> the base model's perplexity (before) -> one adapter per exit, trained on the cache (an
@@ -32,9 +32,7 @@ from fastdecode.config import ConfigError, group_choices, load_group, to_datacla
 from fastdecode.data.chat import build_datasets
 from fastdecode.data.config import DataConfig
 from fastdecode.data.draft_vocab import draft_vocab_from_examples
-from fastdecode.distributed import is_main_process
-from fastdecode.draft_vocab_file import load_draft_vocab
-from fastdecode.exit_adapter import (
+from fastdecode.drafters.exits.adapter import (
     INDEX_FILE,
     DraftVocabMismatchError,
     ExitAdapter,
@@ -42,14 +40,16 @@ from fastdecode.exit_adapter import (
     load_adapter,
     save_adapter,
 )
-from fastdecode.exit_report import model_perplexity
-from fastdecode.identity import weights_fingerprint
-from fastdecode.io import atomic_write_json
-from fastdecode.machine import machine_label
-from fastdecode.model import EarlyExitModel
+from fastdecode.files.distributed import is_main_process
+from fastdecode.files.draft_vocab_file import load_draft_vocab
+from fastdecode.files.io import atomic_write_json
+from fastdecode.reports.exits import model_perplexity
+from fastdecode.runtime.identity import weights_fingerprint
+from fastdecode.runtime.machine import machine_label
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.training.features import FeatureDataset, cache_training_features, collate_features
-from fastdecode_recipes.common import TrainJob, job_tokenizer
-from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
+from recipes.common import TrainJob, job_tokenizer
+from recipes.finetune import FinetuneRun, Recipe, finetune
 
 log = logging.getLogger(__name__)
 

@@ -12,22 +12,22 @@ from typing import Any
 import torch
 
 from adapter_train.config import ExitAdapterConfig
-from fastdecode.choose import adapter_draft_costs, choose_exit, plan_decoding
-from fastdecode.cost import decoding_costs, exit_draft_cost
-from fastdecode.exit_adapter import INDEX_FILE, ExitAdapter
-from fastdecode.exit_report import (
+from fastdecode.drafters.exits.adapter import INDEX_FILE, ExitAdapter
+from fastdecode.files.io import atomic_write_json
+from fastdecode.plan.choose import adapter_draft_costs, choose_exit, plan_decoding
+from fastdecode.plan.cost import decoding_costs, exit_draft_cost
+from fastdecode.reports.exits import (
     adapter_agreement_text,
     adapter_generation_report,
     choice_sentence,
     greedy_generations,
     model_perplexity,
 )
-from fastdecode.identity import weights_fingerprint
-from fastdecode.io import atomic_write_json
-from fastdecode.machine import machine_label
-from fastdecode.model import EarlyExitModel
-from fastdecode.progress import phase
-from fastdecode_recipes.speed import speed_line
+from fastdecode.runtime.identity import weights_fingerprint
+from fastdecode.runtime.machine import machine_label
+from fastdecode.runtime.model import EarlyExitModel
+from fastdecode.runtime.progress import phase
+from recipes.speed import speed_line
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def cached_generations(model, tokenizer, prompts: list[str], max_new_tokens: int
 
 def _choices(m: EarlyExitModel, costs, agreement: dict, draft_costs: dict, r, vocab) -> tuple[dict, dict]:
     """The exit with the best expected speedup through its adapter, and through the raw exit, from the
-    recorded agreement and replayed rounds (``fastdecode.choose.choose_exit``)."""
+    recorded agreement and replayed rounds (``fastdecode.plan.choose.choose_exit``)."""
     raw_costs = {e: exit_draft_cost(costs, m, e, vocab=vocab) for e in agreement["raw"]}
     found = {
         head: choose_exit(

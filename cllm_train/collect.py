@@ -30,12 +30,12 @@ from fastdecode.config import ConfigError, ModelConfig, to_dataclass
 from fastdecode.data.chat import tokenize_conversation
 from fastdecode.data.config import DataConfig, check_data_files, check_trainable
 from fastdecode.data.sources import load_records
-from fastdecode.distributed import world_size
-from fastdecode.io import check_writable
+from fastdecode.files.distributed import world_size
+from fastdecode.files.io import check_writable
+from fastdecode.files.locks import file_lock
 from fastdecode.jacobi import check_block_size
-from fastdecode.loading import load_model, load_tokenizer
-from fastdecode.locks import file_lock
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.loading import load_model, load_tokenizer
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.tokens import IGNORE_INDEX, eos_ids
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def run(cfg: Any, after_commit: Callable[[int], None] | None = None) -> dict:
     check_data_files(job.data)
     check_writable(job.output_dir)  # before the tokenizer, the prompts and the model
     rank, world = _distributed()
-    from fastdecode.assets import model_load_path
+    from fastdecode.files.assets import model_load_path
 
     path = None if job.model.source == "random" else str(model_load_path(job.model))
     tokenizer = load_tokenizer(job.model, path)

@@ -1,6 +1,6 @@
 """``recipe=cllm``: consistency training (CLLM, Kou et al., 2024) on Jacobi trajectories of the same model.
 
-The ``fastdecode_recipes.finetune`` sequence with ``ConsistencyLM`` under ``CLLMTrainer``: trajectories
+The ``recipes.finetune`` sequence with ``ConsistencyLM`` under ``CLLMTrainer``: trajectories
 (checked against the tokenizer before the weights load) -> examples -> model -> held-out perplexity + Jacobi
 tokens per forward (before) -> train -> export (verified against the live model) -> the same measurement
 (after) -> ``summary.json``. The exported checkpoint is a plain HF directory; decode it with
@@ -23,13 +23,15 @@ from cllm_train.records import model_identity
 from cllm_train.trainer import CLLMTrainer
 from fastdecode.config import to_dataclass
 from fastdecode.data.chat import build_datasets, user_prompt_ids
-from fastdecode.decoding import DecodeConfig, JacobiOptions, get_decoder
-from fastdecode.loading import resolve_device
-from fastdecode.model import EarlyExitModel
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.jacobi import JacobiOptions
+from fastdecode.registry import get_decoder
+from fastdecode.runtime.loading import resolve_device
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.tokens import eos_ids, next_token_nll
 from fastdecode.tokens import perplexity as token_perplexity
-from fastdecode_recipes.common import TrainJob, job_tokenizer
-from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
+from recipes.common import TrainJob, job_tokenizer
+from recipes.finetune import FinetuneRun, Recipe, finetune
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.config import ConfigError
-from fastdecode.identity import model_identity, tokenizer_fingerprint  # noqa: F401 (re-exported)
 from fastdecode.jacobi import first_mismatch
+from fastdecode.runtime.identity import model_identity, tokenizer_fingerprint  # noqa: F401 (re-exported)
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"

@@ -18,8 +18,8 @@ from pathlib import Path
 from cllm_train.records import MANIFEST, SCHEMA_VERSION
 from fastdecode.config import ConfigError
 from fastdecode.errors import disk_full_error, is_disk_full
-from fastdecode.faults import fault_point
-from fastdecode.io import atomic_write_json
+from fastdecode.files.faults import fault_point
+from fastdecode.files.io import atomic_write_json
 
 # Config keys that change the records: a resume with different values would mix two collections.
 RECORD_KEYS = ("block_size", "init", "max_new_seq_len", "max_prompt_len", "labels", "seed", "filters", "data")

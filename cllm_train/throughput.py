@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from cllm_train.collect import CollectJob
-from fastdecode.machine import machine_label
+from fastdecode.runtime.machine import machine_label
 
 
 @torch.inference_mode()
@@ -82,8 +82,8 @@ def _timed(fn: Any) -> tuple[Any, float]:
 def collect_throughput(job: CollectJob, bench_prompts: int, warmup: bool = True) -> dict:
     """Time ours against the reference on ``bench_prompts`` prompts of ``job``; returns the report."""
     from cllm_train.collect import build_prompts
-    from fastdecode.loading import load_model
-    from fastdecode.model import EarlyExitModel
+    from fastdecode.runtime.loading import load_model
+    from fastdecode.runtime.model import EarlyExitModel
     from fastdecode.tokens import eos_ids
 
     if job.max_prompts is None:  # tokenize only what the benchmark can use (some prompts are too long)

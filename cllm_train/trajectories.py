@@ -19,7 +19,7 @@ import torch
 
 from fastdecode.decoding.common import prefill
 from fastdecode.jacobi import Block, JacobiSolver, first_mismatch, initial_guess, row_generator
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.model import EarlyExitModel
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Any
 
 from eagle3_train.losses import KINDS
 from fastdecode.config import ConfigError, unknown_name_error
-from fastdecode.eagle3 import default_aux_layers
+from fastdecode.drafters.eagle3.model import default_aux_layers
 from fastdecode.training.feature_config import FeatureConfig
 
 MODES = ("cache", "online")

@@ -34,8 +34,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from fastdecode.eagle3 import Eagle3Head
-from fastdecode.eagle3_layer import Eagle3KV, ttt_mask
+from fastdecode.drafters.eagle3.layer import Eagle3KV, ttt_mask
+from fastdecode.drafters.eagle3.model import Eagle3Head
 from fastdecode.tokens import IGNORE_INDEX
 
 KINDS = ("kl", "ce")
@@ -45,7 +45,7 @@ def target_draft_distribution(target_logits: torch.Tensor, t2d: torch.Tensor) ->
     """The target's distribution restricted to the draft vocabulary and renormalised there (as speculators
     and SpecForge score ``kl``): ``target_logits [B, T, V]``, ``t2d`` bool ``[V]`` -> float32 log-probs
     ``[B, T, Vd]``, column ``d`` for the ``d``-th smallest target id in the draft vocabulary (the draft id
-    order of ``fastdecode.eagle3.vocab_maps``)."""
+    order of ``fastdecode.drafters.eagle3.model.vocab_maps``)."""
     return F.log_softmax(target_logits[..., t2d.bool()].float(), dim=-1)
 
 
@@ -138,7 +138,7 @@ def check_draft_order(head: Eagle3Head) -> None:
     if not bool((targets[1:] > targets[:-1]).all()):
         raise ValueError(
             "the head's draft vocabulary is not in ascending target-id order (d2t); rebuild it with "
-            "fastdecode.eagle3.vocab_maps or Eagle3Head.set_draft_vocab"
+            "fastdecode.drafters.eagle3.model.vocab_maps or Eagle3Head.set_draft_vocab"
         )
 
 

@@ -20,8 +20,8 @@ from torch import nn
 
 from eagle3_train.losses import ttt_loss
 from fastdecode.data.chat import IGNORE_INDEX
-from fastdecode.eagle3 import Eagle3Head
-from fastdecode.model import EarlyExitModel
+from fastdecode.drafters.eagle3.model import Eagle3Head
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.training.feature_records import batch_features
 from fastdecode.training.features import collate_features
 

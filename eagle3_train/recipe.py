@@ -1,7 +1,7 @@
 """``recipe=eagle3``: an EAGLE-3 draft head for a frozen target (Li et al., 2025, "Scaling up Inference
 Acceleration of Large Language Models via Training-Time Test").
 
-The ``fastdecode_recipes.finetune`` sequence with ``Eagle3LM`` under ``Eagle3Trainer``: settings checked
+The ``recipes.finetune`` sequence with ``Eagle3LM`` under ``Eagle3Trainer``: settings checked
 against the target's config (feature layers, draft vocabulary, peft, online data; before the weights load)
 -> target frozen and fingerprinted -> data -> the target's features (``features.mode=cache``: the feature
 cache of ``fastdecode/training/features.py``, by default the target's own answers captured while it
@@ -25,21 +25,21 @@ from eagle3_train.config import Eagle3RecipeConfig
 from eagle3_train.module import Eagle3LM, collate_examples, collate_records
 from eagle3_train.report import drafter_record, measure, table_text
 from eagle3_train.trainer import Eagle3Trainer
-from fastdecode.acceptance import write_record
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
 from fastdecode.data.chat import IGNORE_INDEX, build_datasets
 from fastdecode.data.config import DataConfig
 from fastdecode.data.draft_vocab import build_draft_vocab
-from fastdecode.distributed import is_main_process
-from fastdecode.eagle3 import Eagle3Config, Eagle3Head
-from fastdecode.eagle3_files import load_eagle3, save_eagle3
-from fastdecode.identity import weights_fingerprint
-from fastdecode.machine import machine_label
-from fastdecode.model import EarlyExitModel
+from fastdecode.drafters.eagle3.files import load_eagle3, save_eagle3
+from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head
+from fastdecode.files.distributed import is_main_process
+from fastdecode.plan.acceptance import write_record
+from fastdecode.runtime.identity import weights_fingerprint
+from fastdecode.runtime.machine import machine_label
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.tokens import eos_ids
 from fastdecode.training.features import FeatureDataset, cache_training_features, generation_prompts
-from fastdecode_recipes.common import TrainJob, full_state_dict
-from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
+from recipes.common import TrainJob, full_state_dict
+from recipes.finetune import FinetuneRun, Recipe, finetune
 
 log = logging.getLogger(__name__)
 

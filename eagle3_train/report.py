@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from eagle3_train.losses import ttt_unroll
-from fastdecode.acceptance import MAX_REPLAYED_DRAFT, AcceptanceRecord, DrafterRecord, replay_leads
-from fastdecode.eagle3 import Eagle3Head
-from fastdecode.model import EarlyExitModel
+from fastdecode.drafters.eagle3.model import Eagle3Head
+from fastdecode.plan.acceptance import MAX_REPLAYED_DRAFT, AcceptanceRecord, DrafterRecord, replay_leads
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.training.feature_records import generation_features
 
 log = logging.getLogger(__name__)

@@ -8,11 +8,11 @@
 ``from_pretrained`` reads from a checkpoint directory the exit E (``fastdecode.json``, else
 ``generation_config.assistant_early_exit``), the exit adapter (``exit_adapter/``), ``draft_vocab.json``,
 ``skipdecode.json`` (the SkipDecode policy it was trained with: options that contradict it are refused,
-``SkipPolicyMismatchError``) and ``acceptance.json`` (what its drafters are worth, ``fastdecode/acceptance.py``;
+``SkipPolicyMismatchError``) and ``acceptance.json`` (what its drafters are worth, ``fastdecode/plan/acceptance.py``;
 a damaged one is refused before the weights load). ``generate`` uses E, the adapter and the draft vocabulary as
 the defaults of the methods named by hand, stops at the tokenizer's (and the generation config's) EOS and
 renders text through the tokenizer's chat template. The default method, ``auto``, runs the first candidate of
-``fastdecode.choose.plan_decoding`` for the call's batch size and engine with exactly the options it was
+``fastdecode.plan.choose.plan_decoding`` for the call's batch size and engine with exactly the options it was
 priced with (nothing merged from the defaults): prompt lookup chained before a recorded exit or the exit
 adapter when that drafter is expected to pay, else prompt lookup alone (works on every model). Options are
 ``DecodeConfig`` fields; Hugging Face's names are accepted as aliases (``ALIASES``). This module stands on the
@@ -28,21 +28,21 @@ from typing import Any
 
 import torch
 
-from fastdecode.acceptance import AcceptanceRecord, read_record
-from fastdecode.assets import is_local_path
-from fastdecode.checkpoint_info import checkpoint_label, recommended_exit
-from fastdecode.choose import PLAN_OWNED, Candidate, Plan, plan_decoding, with_corpus
 from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
-from fastdecode.cost import cost_batch, cost_model
-from fastdecode.decoding import DecodeConfig, DecodeOutput, get_decoder
 from fastdecode.decoding.chain import Books, carrying
 from fastdecode.decoding.common import configure_engine, streaming
-from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE
-from fastdecode.eagle3_files import read_eagle3_config
-from fastdecode.exit_adapter import CHECKPOINT_DIR, META_FILE
+from fastdecode.decoding.config import DecodeConfig, DecodeOutput
+from fastdecode.drafters.exits.adapter import CHECKPOINT_DIR, META_FILE
+from fastdecode.files.assets import is_local_path
+from fastdecode.files.checkpoint_info import checkpoint_label, recommended_exit
+from fastdecode.files.draft_vocab_file import DRAFT_VOCAB_FILE
 from fastdecode.inputs import prompt_ids
-from fastdecode.loading import load_model
-from fastdecode.model import EarlyExitModel
+from fastdecode.plan.acceptance import AcceptanceRecord, read_record
+from fastdecode.plan.choose import PLAN_OWNED, Candidate, Plan, plan_decoding, with_corpus
+from fastdecode.plan.cost import cost_batch, cost_model
+from fastdecode.registry import check_drafter, corpus_fingerprint, corpus_options, get_decoder, load_corpus
+from fastdecode.runtime.loading import load_model
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.skipdecode import SkipOptions, read_trained_policy, trained_options, trained_policy_file
 from fastdecode.tokens import eos_ids
 
@@ -59,7 +59,7 @@ ALIASES = {
     "assistant_confidence_threshold": "confidence_threshold",
 }
 SCHEDULES = {"constant": "constant", "heuristic": "heuristic", "heuristic_transient": "heuristic"}
-AUTO = "auto"  # generate(method=AUTO): the plan's first decoder (fastdecode/choose.py)
+AUTO = "auto"  # generate(method=AUTO): the plan's first decoder (fastdecode/plan/choose.py)
 # DecodeConfig fields that select the execution engine and the cost model: what a plan depends on
 ENGINE_FIELDS = ("fast_layers", "fast_linear", "linear_kernel", "static_cache", "compile", "costs")
 
@@ -146,7 +146,7 @@ def from_pretrained(
     trained_skip = read_trained_policy(skip_file) if skip_file else None
     record = read_record(directory)  # so does a damaged acceptance record
     if drafter is not None:
-        read_eagle3_config(drafter)  # and a missing or damaged EAGLE-3 head directory
+        check_drafter(drafter)  # and a missing or damaged drafter directory
     model, tokenizer = load_model(cfg)
     return FastDecoder(
         model,
@@ -195,10 +195,10 @@ class FastDecoder:
 
     def plan(self, batch: int = 1, **engine: Any) -> Plan:
         """The lossless decoders the cost model expects to pay on this model with what its checkpoint records
-        (``fastdecode.choose.plan_decoding``), for batches of ``batch`` rows on the execution engine that
+        (``fastdecode.plan.choose.plan_decoding``), for batches of ``batch`` rows on the execution engine that
         ``engine`` selects (``DecodeConfig``'s engine fields and ``costs``; default: the device's). One plan
         per engine, thread count and batch size; the cost model is measured once per machine and kept on
-        disk (``fastdecode/cost_store.py``). ``drafter``: an EAGLE-3 head to plan with (default: the one
+        disk (``fastdecode/plan/cost_store.py``). ``drafter``: an EAGLE-3 head to plan with (default: the one
         given at load)."""
         cfg = to_dataclass(DecodeConfig, {"max_new_tokens": 1} | engine, "plan()")
         drafter = cfg.drafter or self.drafter
@@ -269,23 +269,20 @@ class FastDecoder:
 
     def _check_corpus(self, corpus: str) -> None:
         """The corpus file checked against the model and its tokenizer (loaded once per file version)."""
-        from fastdecode.decoding.suffix_sources import corpus_fingerprint, corpus_index
-
         if self._fingerprint is None:  # the vocabulary hashed once, not every call
             self._fingerprint = corpus_fingerprint(self.tokenizer)
-        corpus_index(corpus, self.m, fingerprint=self._fingerprint)
+        load_corpus(corpus, self.m, self._fingerprint)
 
     def _with_corpus(self, method: str, corpus: str, options: dict) -> dict:
         """``options`` with ``decoder.suffix.corpus`` (``method="suffix"``, or a chain with suffix decoding first;
         ``auto`` plans one, ``choose.with_corpus``)."""
-        suffix = options.get("suffix") or {}
-        suffix = dataclasses.asdict(suffix) if dataclasses.is_dataclass(suffix) else dict(suffix)
+        suffix = corpus_options(options, corpus)["suffix"]
         if method != "suffix" and not suffix.get("first"):  # a chain with suffix decoding first reads it too
             raise ConfigError(
                 f"corpus= is suffix decoding's: pass method='suffix', or chain=True with "
                 f"suffix={{'first': True}} (got method={method!r})."
             )
-        return options | {"suffix": suffix | {"corpus": str(corpus)}}
+        return options | {"suffix": suffix}
 
     def config(self, method: str, *, defaults: bool = True, **options: Any) -> DecodeConfig:
         """The ``DecodeConfig`` of ``method``: the options (HF aliases renamed) over the checkpoint's

@@ -120,15 +120,22 @@ def to_dataclass(cls: type[T], node: Any, where: str = "config") -> T:
         raise ConfigError(f"{where}: expected a mapping of {cls.__name__} fields, got {node!r}.")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    kwargs = {}
+    open_groups = cls.open_groups() if hasattr(cls, "open_groups") else {}  # keys gathered into ``groups``
+    kwargs, groups = {}, {}
     for key, value in node.items():
         path = f"{where}.{key}" if where else str(key)
+        if key in open_groups and key not in fields:
+            groups[key] = to_dataclass(open_groups[key], value, path)
+            continue
         if key not in fields:
+            valid = [*fields, *open_groups]
             raise ConfigError(
-                f"Unknown key '{path}'.{did_you_mean(str(key), list(fields))} "
-                f"Valid keys of {where or 'the config'}: {', '.join(sorted(fields))}."
+                f"Unknown key '{path}'.{did_you_mean(str(key), valid)} "
+                f"Valid keys of {where or 'the config'}: {', '.join(sorted(valid))}."
             )
         kwargs[key] = convert_value(value, hints[key], path)
+    if groups:
+        kwargs["groups"] = {**kwargs.get("groups", {}), **groups}
     missing = [
         name
         for name, f in fields.items()
@@ -170,7 +177,7 @@ class ModelConfig:
         directory in the fastdecode cache and loaded from there afterwards (offline machines);
       - ``random``: a tiny random-init model built from ``random_init`` (HF config kwargs), no download.
 
-    ``family`` (the model family, ``fastdecode.families.FAMILIES``) may be left out: it is then ``config.model_type`` of the weights (a
+    ``family`` (the model family, ``fastdecode.runtime.families.FAMILIES``) may be left out: it is then ``config.model_type`` of the weights (a
     bring-your-own hub id or local directory needs nothing else); when set, the weights must agree.
     """
 
@@ -236,7 +243,7 @@ def load_group(group: str, name: str, cls: type[T], **overrides: Any) -> T:
 # --------------------------------------------------------------------------------------------------------------
 # The label of a run on a checkpoint, for output folders: ``${fastdecode_label:${checkpoint},${model.name}}``.
 
-SIDECAR_FILE = "fastdecode.json"  # what a checkpoint says about itself (fastdecode/checkpoint_info.py)
+SIDECAR_FILE = "fastdecode.json"  # what a checkpoint says about itself (fastdecode/files/checkpoint_info.py)
 
 
 def checkpoint_label(directory: str | os.PathLike) -> str:

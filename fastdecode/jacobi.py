@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastdecode.cache import KVCache
 from fastdecode.config import ConfigError, unknown_name_error
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.cache import KVCache
+from fastdecode.runtime.model import EarlyExitModel
 
 INITS = ("prompt", "vocab", "repeat")  # initial guess: tokens of the current prefix | any token | nxt x n
 
@@ -43,6 +43,19 @@ def check_init(strategy: str, where: str = "init") -> None:
     if strategy not in INITS:
         raise unknown_name_error("Jacobi initial guess", strategy, list(INITS), f"({where})")
 
+
+
+@dataclass
+class JacobiOptions:
+    """``decoder.jacobi``: the ``jacobi`` decoder. ``block``: the n >= 2 tokens refined in parallel;
+    ``init``: the initial guess, ``repeat`` | ``prompt`` | ``vocab``."""
+
+    block: int = 16
+    init: str = "repeat"
+
+    def __post_init__(self) -> None:
+        check_block_size(self.block, "decoder.jacobi.block")
+        check_init(self.init, "decoder.jacobi.init")
 
 def row_generator(seed: int, key: str) -> torch.Generator:
     """A CPU generator seeded from ``(seed, key)``: draws that do not depend on batching, order or rank."""

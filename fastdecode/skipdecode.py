@@ -41,8 +41,8 @@ from typing import ClassVar
 import torch
 
 from fastdecode.config import ConfigError, to_dataclass
-from fastdecode.io import atomic_write_json
-from fastdecode.model import EarlyExitModel
+from fastdecode.files.io import atomic_write_json
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.tokens import IGNORE_INDEX
 
 SKIPDECODE_FILE = "skipdecode.json"  # the trained policy, in a checkpoint directory

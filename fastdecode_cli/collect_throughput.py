@@ -24,7 +24,7 @@ def run(cfg: Any) -> dict:
     from cllm_train.collect import CollectJob
     from cllm_train.throughput import collect_throughput
     from fastdecode.config import to_dataclass, to_plain
-    from fastdecode.io import atomic_write_json, check_writable
+    from fastdecode.files.io import atomic_write_json, check_writable
 
     plain = to_plain(cfg)
     bench = {k: plain.pop(k) for k in BENCH_KEYS}

@@ -23,10 +23,10 @@ from omegaconf import OmegaConf
 
 from eagle3_train.losses import ttt_loss
 from fastdecode.config import ModelConfig, load_group
-from fastdecode.eagle3 import Eagle3Config, Eagle3Head
-from fastdecode.eagle3_files import save_eagle3
-from fastdecode.loading import load_model
-from fastdecode.model import EarlyExitModel
+from fastdecode.drafters.eagle3.files import save_eagle3
+from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head
+from fastdecode.runtime.loading import load_model
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode_cli.launch import one_line_errors
 
 DEFAULTS = {

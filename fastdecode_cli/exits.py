@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR, ModelConfig, to_dataclass
 from fastdecode.data.config import DataConfig
-from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE
+from fastdecode.files.draft_vocab_file import DRAFT_VOCAB_FILE
 from fastdecode_cli.launch import check_command_line, one_line_errors
 
 
@@ -45,9 +45,9 @@ def run(cfg: Any) -> dict:
     """Measure the model (and its base, with a checkpoint) and write the report; returns it."""
     from fastdecode.data.chat import build_datasets
     from fastdecode.data.config import check_data_files
-    from fastdecode.exit_report import plot_reports
-    from fastdecode.io import atomic_write_json, check_writable
-    from fastdecode.loading import load_model
+    from fastdecode.files.io import atomic_write_json, check_writable
+    from fastdecode.reports.exits import plot_reports
+    from fastdecode.runtime.loading import load_model
 
     job = to_dataclass(ExitsJob, cfg, "")
     check_record(job)
@@ -73,7 +73,7 @@ def run(cfg: Any) -> dict:
 def check_record(job: ExitsJob) -> None:
     """``record=true`` writes into a checkpoint or an adapter run: it needs one, writable, before any work."""
     from fastdecode.config import ConfigError
-    from fastdecode.io import check_writable
+    from fastdecode.files.io import check_writable
 
     if not job.record:
         return
@@ -82,7 +82,7 @@ def check_record(job: ExitsJob) -> None:
             "record=true writes acceptance.json into a checkpoint (checkpoint=PATH) or adapters.json beside "
             "exit adapters (adapter=PATH); give one of them, or drop record=true."
         )
-    from fastdecode.exit_adapter import INDEX_FILE
+    from fastdecode.drafters.exits.adapter import INDEX_FILE
 
     if job.adapter and not (Path(job.adapter) / INDEX_FILE).is_file():
         raise ConfigError(
@@ -96,7 +96,8 @@ def check_record(job: ExitsJob) -> None:
 
 def write_records(job: ExitsJob, reports: dict, prompts: int) -> None:
     """``record=true``: the checkpoint's ``acceptance.json`` and the adapters' ``adapters.json``."""
-    from fastdecode.acceptance import exit_record, write_adapter_record, write_record
+    from fastdecode.drafters.exits.record import write_adapter_record
+    from fastdecode.plan.acceptance import exit_record, write_record
 
     label = "checkpoint" if job.checkpoint else "model"
     report = reports[label]
@@ -115,9 +116,9 @@ def model_report(
     """One model's report: its greedy generations, made once (the exit report and the adapter report score
     the same tokens), the exit report (and the adapters' agreement), then the exit choice on the cost model
     (``shared_costs``: measured once per run for models of one shape, ``measured``)."""
-    from fastdecode.exit_report import adapter_generation_report, exit_report, greedy_generations
-    from fastdecode.model import EarlyExitModel
-    from fastdecode.progress import phase
+    from fastdecode.reports.exits import adapter_generation_report, exit_report, greedy_generations
+    from fastdecode.runtime.model import EarlyExitModel
+    from fastdecode.runtime.progress import phase
 
     prompts = [ex["prompt"] for ex in held_out][: job.prompts]
     what = f"{len(prompts)} greedy generations of up to {job.max_new_tokens} tokens"
@@ -153,8 +154,8 @@ def shared_costs(m: Any, measured: dict) -> Any:
     for every model of one shape (``measured``: architecture -> cost model). Timings depend on the shapes,
     the engine and the threads, not on the weights' values: a checkpoint and its base share one measurement.
     The engine is selected on ``m`` either way, so what is timed on it later (an adapter's draft) runs there."""
-    from fastdecode.cost import decoding_costs
-    from fastdecode.engine import default_options
+    from fastdecode.plan.cost import decoding_costs
+    from fastdecode.runtime.engine import default_options
 
     key = (
         m.config.model_type,
@@ -172,7 +173,7 @@ def checkpoint_vocab(job: ExitsJob, model: Any) -> Any:
     """The checkpoint's draft vocabulary ids (``draft_vocab.json``), scored too when ``record=true``."""
     if not (job.record and job.checkpoint and (Path(job.checkpoint) / DRAFT_VOCAB_FILE).is_file()):
         return None
-    from fastdecode.draft_vocab_file import load_draft_vocab
+    from fastdecode.files.draft_vocab_file import load_draft_vocab
 
     return load_draft_vocab(Path(job.checkpoint) / DRAFT_VOCAB_FILE)[0]
 
@@ -180,8 +181,8 @@ def checkpoint_vocab(job: ExitsJob, model: Any) -> Any:
 def recommend(generations: dict, costs: Any, m: Any, max_draft: int) -> dict:
     """The exit choice on the generations' agreement and replayed rounds, and the cost model it was made
     with, with the machine it was measured on."""
-    from fastdecode.choose import choose_exit
-    from fastdecode.machine import machine_label
+    from fastdecode.plan.choose import choose_exit
+    from fastdecode.runtime.machine import machine_label
 
     agreement, rounds = generations["agreement"], generations.get("tokens_per_round")
     return {
@@ -194,7 +195,7 @@ def recommend(generations: dict, costs: Any, m: Any, max_draft: int) -> dict:
 def report_targets(job: ExitsJob) -> dict[str, ModelConfig]:
     """What to measure: the model; with a checkpoint, its base (``model=`` when chosen, else the one its
     ``fastdecode.json`` records; skipped when neither) and the checkpoint, checked to agree before any load."""
-    from fastdecode.checkpoint_info import CHECKPOINT_MODEL, base_model, check_agrees, checkpoint_model
+    from fastdecode.files.checkpoint_info import CHECKPOINT_MODEL, base_model, check_agrees, checkpoint_model
 
     if not job.checkpoint:
         return {"model": job.model}
@@ -202,7 +203,7 @@ def report_targets(job: ExitsJob) -> dict[str, ModelConfig]:
     base = base_model(job.checkpoint) if job.model.name == CHECKPOINT_MODEL else job.model
     if base is not None and job.compare_base:
         base = dataclasses.replace(base, dtype=job.model.dtype, device=job.model.device)
-        from fastdecode.loading import model_config
+        from fastdecode.runtime.loading import model_config
 
         # another depth would mix two reports (an IndexError after the base's): its config.json decides
         check_agrees(base, job.checkpoint, model_config(base).num_hidden_layers)
@@ -213,7 +214,7 @@ def report_targets(job: ExitsJob) -> dict[str, ModelConfig]:
 def adapter_dirs(job: ExitsJob) -> list[Path]:
     """The adapter directories ``adapter=`` names (a training run: every exit's), their records read and their
     draft vocabularies compared before any model loads (the report scores them all on one)."""
-    from fastdecode.exit_adapter import INDEX_FILE, AdapterError, read_index, read_meta
+    from fastdecode.drafters.exits.adapter import INDEX_FILE, AdapterError, read_index, read_meta
 
     root = Path(job.adapter)
     dirs = (
@@ -230,7 +231,7 @@ def adapter_dirs(job: ExitsJob) -> list[Path]:
 def load_adapters(m: Any, tokenizer: Any, job: ExitsJob) -> tuple[dict, Any]:
     """``(E -> ExitAdapter, draft vocabulary ids or None)`` of ``adapter=`` (``adapter_dirs``: a
     ``recipe=exit_adapter`` run's ``final/`` or one adapter directory; one draft vocabulary for all)."""
-    from fastdecode.exit_adapter import load_adapter
+    from fastdecode.drafters.exits.adapter import load_adapter
 
     loaded = [load_adapter(d, m, tokenizer) for d in adapter_dirs(job)]
     return {a.exit_layer: a for a, _, _ in loaded}, loaded[0][2]
@@ -242,7 +243,7 @@ def adapter_choice(
     """The head-aware exit choice with the adapters (``load_adapters``): each adapter's drafted token priced
     (timed on ``m``'s engine with a measured cost model), then ``choose_exit`` on the adapters' agreement
     (``adapter_generation_report``)."""
-    from fastdecode.choose import adapter_draft_costs, choose_exit
+    from fastdecode.plan.choose import adapter_draft_costs, choose_exit
 
     draft_costs = adapter_draft_costs(costs, m, adapters, vocab)
     rounds = agreement["tokens_per_round"]["adapter"]
@@ -261,7 +262,7 @@ def _main(cfg: DictConfig) -> None:
 def summary_lines(reports: dict) -> list[str]:
     """What a run printed: per model, the agreement per exit on its own generations and the exit choice as
     a sentence (with the machine its cost model was measured on); with adapters, raw -> adapter per exit."""
-    from fastdecode.exit_report import adapter_agreement_text, agreement_text, choice_sentence
+    from fastdecode.reports.exits import adapter_agreement_text, agreement_text, choice_sentence
 
     lines = []
     for label, report in reports.items():

@@ -2,7 +2,7 @@
 ``fastdecode-export-exit checkpoint=outputs/layerskip-smollm2-135m/final exit_layer=8``.
 
 Writes the checkpoint's first E layers, final norm and LM head as a plain Hugging Face directory with
-``num_hidden_layers: E`` (``fastdecode.exit_export.export_exit``), which transformers' ``assistant_model=``,
+``num_hidden_layers: E`` (``fastdecode.drafters.exits.export.export_exit``), which transformers' ``assistant_model=``,
 vLLM's and SGLang's draft-model speculation and llama.cpp's ``-md`` (after GGUF conversion) load.
 """
 
@@ -28,7 +28,7 @@ class ExportExitJob:
 
 def run(cfg: Any) -> Path:
     """Export the exit ``cfg`` names; returns the directory written."""
-    from fastdecode.exit_export import export_exit
+    from fastdecode.drafters.exits.export import export_exit
 
     job = to_dataclass(ExportExitJob, cfg, "")
     if not job.checkpoint:

@@ -45,7 +45,7 @@ def one_line_errors(func: Callable[..., Any]) -> Callable[..., Any]:
             remove_refused_run_dir()
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            from fastdecode.distributed import is_main_process
+            from fastdecode.files.distributed import is_main_process
 
             if is_main_process():
                 sys.stdout.flush()
@@ -177,7 +177,7 @@ def _override_error(config_name: str, overrides: list[str], err: Exception) -> E
     keys = _node_keys(config_name, [o for o in overrides if not o.startswith(f"{full_key}=")], parent)
     where = f"'{parent}'" if parent else "the config"
     if parent == "trainer":  # every TrainingArguments field is valid; the yaml sets a few of them
-        from fastdecode_recipes.trainer_args import unknown_trainer_key
+        from recipes.trainer_args import unknown_trainer_key
 
         return unknown_trainer_key(key)
     return ConfigError(
@@ -224,7 +224,7 @@ def trainer_fields(config_name: str, overrides: list[str]) -> list[str]:
         return []  # nothing to rewrite: no compose, no transformers import
     picks = [o for o in overrides if o.split("=")[0] in config_groups(config_name)]
     present = set(_node_keys(config_name, picks, "trainer"))
-    from fastdecode_recipes.trainer_args import training_fields
+    from recipes.trainer_args import training_fields
 
     fields = training_fields()
     added = []
@@ -290,7 +290,7 @@ def check_output_dir(cfg) -> Path | None:
     it (absolute; None when the config has none)."""
     from omegaconf import OmegaConf
 
-    from fastdecode.io import check_writable
+    from fastdecode.files.io import check_writable
 
     try:
         output_dir = OmegaConf.select(cfg, "output_dir")

@@ -1,6 +1,6 @@
 """``fastdecode-lookup-replay`` / ``python eval/lookup_replay.py``: prompt lookup's variants replayed over the
 model's own greedy answers to training prompts (which occurrence, the longest n, where EOS cuts; each under
-the draft-length policies), with the acceptance prior ``ngram.PRIOR`` holds.
+the draft-length policies), with the acceptance prior ``ngram.MATCH_PRIOR`` holds.
 
 ``fastdecode-lookup-replay [model=smollm2-135m] [data=sharegpt] [num_prompts=128] [max_new_tokens=128]``
 
@@ -19,7 +19,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fastdecode.config import CONFIG_DIR, to_dataclass
-from fastdecode.io import atomic_write_text
+from fastdecode.files.io import atomic_write_text
 from fastdecode_cli.launch import check_command_line, one_line_errors
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def run(cfg: Any) -> list[str]:
     """Replay every variant of the job; returns the report's Markdown lines."""
     from fastdecode.bench.lookup_answers import ReplayJob, prepare
     from fastdecode.bench.lookup_replay import Variant, measure, report
-    from fastdecode.decoding import DecodeConfig
+    from fastdecode.decoding.config import DecodeConfig
 
     job = to_dataclass(ReplayJob, cfg, "")
     job.check()  # before the model loads

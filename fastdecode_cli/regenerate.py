@@ -33,7 +33,7 @@ from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, to_dataclass
 from fastdecode.data.chat import training_prompts, user_prompt_text
 from fastdecode.data.config import DataConfig, check_data_files, check_trainable
 from fastdecode.data.openai_client import OpenAIClient, ServerConfig
-from fastdecode.io import atomic_write_text, check_writable
+from fastdecode.files.io import atomic_write_text, check_writable
 from fastdecode_cli.launch import check_command_line, one_line_errors
 
 logger = logging.getLogger(__name__)
@@ -64,9 +64,10 @@ def _done(path: Path) -> list[str]:
 
 def run(cfg: Any) -> dict:
     """Write ``job.output``; returns counts. Resumes after the lines already written."""
-    from fastdecode.decoding import DecodeConfig, get_decoder
-    from fastdecode.loading import load_model
-    from fastdecode.model import EarlyExitModel
+    from fastdecode.decoding.config import DecodeConfig
+    from fastdecode.registry import get_decoder
+    from fastdecode.runtime.loading import load_model
+    from fastdecode.runtime.model import EarlyExitModel
     from fastdecode.tokens import eos_ids
 
     job = to_dataclass(RegenerateJob, cfg, "")
@@ -102,8 +103,8 @@ def _run_on_server(job: RegenerateJob, out: Path, lines: list[str]) -> dict:
     """``run`` with the answers of the server ``job.server.url``: checked first, then the prompts after the
     ``lines`` already written, the file rewritten whole every ``server.chunk`` answers and once more with
     the answers received before an error (the run then resumes after them)."""
-    from fastdecode.assets import model_load_path
-    from fastdecode.loading import load_tokenizer
+    from fastdecode.files.assets import model_load_path
+    from fastdecode.runtime.loading import load_tokenizer
 
     client = OpenAIClient(job.server)
     served = client.check()  # an unreachable URL or an unserved model fails here, before any prompt

@@ -2,7 +2,7 @@
 
 Writes ``skipdecode_quality.json`` into ``output_dir``: ROUGE-L and exact match of the ``skipdecode`` decoder's
 greedy outputs against full-depth greedy decoding, layers per generated token of both, and the perplexity of
-held-out reference answers under the policy and at full depth (``fastdecode/skipdecode_report.py``). Speed is
+held-out reference answers under the policy and at full depth (``fastdecode/reports/skipdecode.py``). Speed is
 ``eval/speed.py decoder=[autoregressive,skipdecode]``. A checkpoint trained with ``recipe=skipdecode`` is
 decoded with the policy it was trained with (its ``skipdecode.json``; ``skip_file=<run>/final/skipdecode.json``
 names another run's): ``skip.*`` options left null take the trained values, options that contradict them are
@@ -40,14 +40,14 @@ class QualityJob:
 
 def run(cfg: Any) -> dict:
     """Decode the held-out prompts both ways, score, write and return the report."""
-    from fastdecode.checkpoint_info import checkpoint_model
     from fastdecode.data.chat import build_datasets
-    from fastdecode.decoding import DecodeConfig
-    from fastdecode.io import atomic_write_json, check_writable
-    from fastdecode.loading import load_model
-    from fastdecode.model import EarlyExitModel
+    from fastdecode.decoding.config import DecodeConfig
+    from fastdecode.files.checkpoint_info import checkpoint_model
+    from fastdecode.files.io import atomic_write_json, check_writable
+    from fastdecode.reports.skipdecode import skipdecode_quality, split_examples
+    from fastdecode.runtime.loading import load_model
+    from fastdecode.runtime.model import EarlyExitModel
     from fastdecode.skipdecode import SkipOptions, read_trained_policy, trained_options, trained_policy_file
-    from fastdecode.skipdecode_report import skipdecode_quality, split_examples
     from fastdecode.tokens import eos_ids
 
     job = to_dataclass(QualityJob, cfg, "")

@@ -7,7 +7,7 @@ produces responses: the text's token ids alone, no chat template and no special 
 regenerated text has it stripped (decoded with ``skip_special_tokens``), so by default no EOS is indexed and
 drafts never propose one; ``append_eos=true`` appends the tokenizer's EOS id to every sequence (for
 ``decoder.suffix.eos=after``: a draft may then end an answer). Writes the suffix index file atomically
-(``fastdecode/suffix_index_file.py``) with the tokenizer's fingerprint, which decoding checks
+(``fastdecode/drafters/suffix/index_file.py``) with the tokenizer's fingerprint, which decoding checks
 (``decoder.suffix.corpus=PATH``), and prints what it built. Only the tokenizer loads, never the weights.
 
 Evaluation sets are refused: a file named after an evaluation-only data config (``configs/data``: MT-bench,
@@ -99,12 +99,12 @@ def check_job(job: SuffixIndexJob) -> tuple[Path, Path]:
 
 def run(cfg: Any) -> dict:
     """Build and write the index ``cfg`` describes; returns what was built."""
-    from fastdecode.assets import model_load_path
-    from fastdecode.decoding.suffix_sources import corpus_fingerprint
-    from fastdecode.io import check_writable
-    from fastdecode.loading import load_tokenizer
-    from fastdecode.suffix_index import SuffixIndex
-    from fastdecode.suffix_index_file import save_index
+    from fastdecode.drafters.suffix.index import SuffixIndex
+    from fastdecode.drafters.suffix.index_file import save_index
+    from fastdecode.drafters.suffix.sources import corpus_fingerprint
+    from fastdecode.files.assets import model_load_path
+    from fastdecode.files.io import check_writable
+    from fastdecode.runtime.loading import load_tokenizer
 
     job = to_dataclass(SuffixIndexJob, cfg, "")
     source, out = check_job(job)

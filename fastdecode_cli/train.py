@@ -1,6 +1,6 @@
 """``fastdecode-train`` / ``python train.py``: train a model for faster decoding.
 
-``fastdecode-train recipe=layerskip model=llama2-7b data=sharegpt``. The work is ``fastdecode_recipes.run(cfg)``.
+``fastdecode-train recipe=layerskip model=llama2-7b data=sharegpt``. The work is ``recipes.run(cfg)``.
 Multi-process: ``torchrun --nproc_per_node N train.py ...`` or ``deepspeed train.py deepspeed=zero3 ...``.
 """
 
@@ -16,9 +16,9 @@ from fastdecode_cli.launch import check_command_line, one_line_errors, strip_lau
 @hydra.main(config_path=str(CONFIG_DIR), config_name="train", version_base="1.3")
 @one_line_errors
 def _main(cfg: DictConfig) -> None:
-    import fastdecode_recipes
+    import recipes
 
-    fastdecode_recipes.run(cfg)
+    recipes.run(cfg)
 
 
 @one_line_errors

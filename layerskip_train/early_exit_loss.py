@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fastdecode.config import ConfigError, unknown_name_error
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.tokens import IGNORE_INDEX, next_token_targets
 
 DEFAULT_CHUNK_SIZE = 1024  # label tokens per head+CE chunk: logits memory ~ chunk_size * V * 4 bytes (x2-3)

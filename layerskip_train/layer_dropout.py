@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from fastdecode.config import ConfigError, unknown_name_error
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.training.draws import draw_generator
 
 DEPTH_SCALES = ("exp", "linear", "uniform")

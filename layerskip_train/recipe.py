@@ -1,6 +1,6 @@
 """``recipe=layerskip``: layer dropout + early-exit loss (Elhoushi et al., 2024) on the HF Trainer.
 
-The ``fastdecode_recipes.finetune`` sequence with ``EarlyExitLM`` under ``LayerSkipTrainer``: exit report
+The ``recipes.finetune`` sequence with ``EarlyExitLM`` under ``LayerSkipTrainer``: exit report
 (before) -> train -> export (verified) -> exit report (after) -> recommended exit E in ``fastdecode.json``
 -> ``draft_vocab.json``. The exported checkpoint is a plain HF directory that ``generate`` and ``pipeline``
 run at any batch size; ``generate(assistant_early_exit=E)`` self-speculates with it (batch 1), and
@@ -15,27 +15,27 @@ from typing import Any
 
 import torch
 
-from fastdecode.acceptance import exit_record, read_record, write_record
-from fastdecode.choose import Plan, choose_exit, plan_decoding
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
-from fastdecode.cost import decoding_costs
 from fastdecode.data.chat import build_datasets
 from fastdecode.data.config import DataConfig
 from fastdecode.data.draft_vocab import draft_vocab_from_examples
-from fastdecode.distributed import world_size
-from fastdecode.draft_vocab_file import DRAFT_VOCAB_FILE, save_draft_vocab
-from fastdecode.exit_report import choice_sentence, exit_report, plot_reports
-from fastdecode.io import atomic_write_json
-from fastdecode.machine import machine_label
-from fastdecode.model import EarlyExitModel
-from fastdecode_recipes.common import TrainJob
-from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
-from fastdecode_recipes.speed import speed_line
+from fastdecode.files.distributed import world_size
+from fastdecode.files.draft_vocab_file import DRAFT_VOCAB_FILE, save_draft_vocab
+from fastdecode.files.io import atomic_write_json
+from fastdecode.plan.acceptance import exit_record, read_record, write_record
+from fastdecode.plan.choose import Plan, choose_exit, plan_decoding
+from fastdecode.plan.cost import decoding_costs
+from fastdecode.reports.exits import choice_sentence, exit_report, plot_reports
+from fastdecode.runtime.machine import machine_label
+from fastdecode.runtime.model import EarlyExitModel
 from layerskip_train.config import LayerSkipConfig
 from layerskip_train.early_exit_loss import CURRICULUM_ALIASES, active_exits, scale_weights
 from layerskip_train.layer_dropout import dropout_rates, parse_layers
 from layerskip_train.module import EarlyExitLM
 from layerskip_train.trainer import LayerSkipTrainer
+from recipes.common import TrainJob
+from recipes.finetune import FinetuneRun, Recipe, finetune
+from recipes.speed import speed_line
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def run(job: TrainJob, cfg: Any = None) -> dict:
 
 def _speed_line(m: EarlyExitModel, tokenizer, held_out: list[dict], rcfg: LayerSkipConfig, plan: Plan):
     """The closing speed table: the decoders the cost model expects to pay with the acceptance this
-    checkpoint records (``plan``: ``fastdecode.choose.plan_decoding`` on the record in the export's staging
+    checkpoint records (``plan``: ``fastdecode.plan.choose.plan_decoding`` on the record in the export's staging
     directory) against autoregressive decoding, on a few held-out prompts."""
     prompts = [ex["prompt"] for ex in held_out if ex.get("prompt")]
     return speed_line(m, tokenizer, prompts, rcfg.report, plan)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from fastdecode.config import ModelConfig, load_group
-from fastdecode.loading import load_model
-from fastdecode.machine import machine_label
+from fastdecode.runtime.loading import load_model
+from fastdecode.runtime.machine import machine_label
 
 VARIANTS = {  # LayerSkip step kinds: recipe.* overrides of configs/recipe/layerskip.yaml
     # The recipe's default: strided exits over every layer (every 4th layer a step), exp dropout 0.1.

@@ -1,6 +1,6 @@
 """``recipe=skipdecode``: fine-tune under the SkipDecode policy (Del Corro et al., 2023) on the HF Trainer.
 
-The ``fastdecode_recipes.finetune`` sequence with ``SkipDecodeLM`` (final-layer CE, the policy run exactly in
+The ``recipes.finetune`` sequence with ``SkipDecodeLM`` (final-layer CE, the policy run exactly in
 the forward) under the plain Trainer: policy check -> data -> held-out perplexity under the policy (before)
 -> train -> export (verified against the live model under the policy) -> held-out perplexity (after) ->
 ``final/skipdecode.json``: the policy it trained with (``fastdecode.skipdecode.save_trained_policy``), every
@@ -16,11 +16,11 @@ from typing import Any
 
 from fastdecode.config import ConfigError, to_dataclass
 from fastdecode.data.chat import collate
-from fastdecode.model import EarlyExitModel
+from fastdecode.reports.skipdecode import policy_perplexity
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.skipdecode import SkipDecodePolicy, save_trained_policy
-from fastdecode.skipdecode_report import policy_perplexity
-from fastdecode_recipes.common import TrainJob
-from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
+from recipes.common import TrainJob
+from recipes.finetune import FinetuneRun, Recipe, finetune
 from skipdecode_train.config import SkipDecodeConfig
 from skipdecode_train.module import SkipDecodeLM
 

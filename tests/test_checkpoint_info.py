@@ -12,10 +12,10 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from fastdecode.checkpoint_info import checkpoint_model, recommended_exit, write_sidecar
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, load_group, to_dataclass
+from fastdecode.files.checkpoint_info import checkpoint_model, recommended_exit, write_sidecar
 from fastdecode_cli.launch import check_command_line, checkpoint_is_model
-from fastdecode_recipes.common import load_job
+from recipes.common import load_job
 from tests.helpers import tiny_model
 
 
@@ -85,7 +85,7 @@ def test_a_recorded_exit_is_a_layer_of_the_checkpoint(ckpt, tmp_path, monkeypatc
     import shutil
 
     from fastdecode.bench.config import plan
-    from fastdecode.checkpoint import CheckpointError
+    from fastdecode.files.checkpoint import CheckpointError
 
     final = tmp_path / "final"
     shutil.copytree(ckpt, final)
@@ -97,7 +97,7 @@ def test_a_recorded_exit_is_a_layer_of_the_checkpoint(ckpt, tmp_path, monkeypatc
     message = rf"{final / file}: {key}={value!r} is not an exit layer .*4 layers.*\[1, 3\]"
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
         recommended_exit(final)
-    monkeypatch.setattr("fastdecode.loading.load_model", lambda *a: pytest.fail("loaded a model"))
+    monkeypatch.setattr("fastdecode.runtime.loading.load_model", lambda *a: pytest.fail("loaded a model"))
     with pytest.raises(CheckpointError, match=rf"{key}={value!r} is not an exit layer"):
         plan(_compose("speed", "model=checkpoint", f"checkpoint={final}"))
 
@@ -110,9 +110,9 @@ def test_a_recorded_exit_is_a_layer_of_the_checkpoint(ckpt, tmp_path, monkeypatc
     ],
 )
 def test_a_contradicting_model_is_refused_before_any_work(ckpt, model, why, monkeypatch):
-    import fastdecode.loading
+    import fastdecode.runtime.loading
 
-    monkeypatch.setattr(fastdecode.loading, "load_model", lambda *a: pytest.fail("loaded a model"))
+    monkeypatch.setattr(fastdecode.runtime.loading, "load_model", lambda *a: pytest.fail("loaded a model"))
     from fastdecode.bench.config import plan
     from fastdecode_cli.exits import run as exits_run
 
@@ -161,7 +161,7 @@ def test_training_from_a_checkpoint_is_named_after_it(ckpt):
 
 def test_bring_your_own_model_needs_no_family(ckpt):
     own = ModelConfig(name="mine", source="hub", name_or_path=str(ckpt))
-    from fastdecode.loading import load_model, model_config
+    from fastdecode.runtime.loading import load_model, model_config
 
     assert model_config(own).model_type == "llama"
     model, _ = load_model(dataclasses.replace(own, device="cpu"))

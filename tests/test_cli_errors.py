@@ -16,7 +16,7 @@ import pytest
 
 from fastdecode.config import ConfigError
 from fastdecode.errors import DiskFullError, UserError
-from fastdecode.locks import LockHeld
+from fastdecode.files.locks import LockHeld
 from fastdecode_cli.launch import USER_ERROR_EXIT, one_line_errors
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,10 +10,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM
 
-import fastdecode_recipes
+import recipes
 from cllm_train.records import MANIFEST, SCHEMA_VERSION, RecordError, tokenizer_fingerprint
 from fastdecode.config import CONFIG_DIR, ConfigError
-from fastdecode.tokenizer import byte_tokenizer
+from fastdecode.runtime.tokenizer import byte_tokenizer
 from tests.helpers import (
     declare_second_eos,
     free_port,
@@ -85,7 +85,7 @@ def test_cllm_recipe_trains_exports_and_measures(tmp_path, variant):
         f"recipe.ar_target={target}",
         f"recipe.max_records={records}",
     ]
-    summary = fastdecode_recipes.run(cllm_cfg(tmp_path, *overrides, "trainer.max_steps=2"))
+    summary = recipes.run(cllm_cfg(tmp_path, *overrides, "trainer.max_steps=2"))
     assert summary["export_check"]["abs_diff"] < 1e-4  # the saved weights reproduce the live model
     assert summary["trajectories"]["records"] == records
     logs = _history(tmp_path / "run", 2)
@@ -136,7 +136,7 @@ def test_trajectories_from_the_collector_train(tmp_path):
     ]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         manifest = collect.run(compose(config_name="collect_jacobi", overrides=overrides))
-    summary = fastdecode_recipes.run(cllm_cfg(tmp_path, "trainer.max_steps=2", "recipe.report.enabled=false"))
+    summary = recipes.run(cllm_cfg(tmp_path, "trainer.max_steps=2", "recipe.report.enabled=false"))
     assert summary["trajectories"]["records"] == manifest["totals"]["records"] > 0
     logs = _history(tmp_path / "run", 2)
     assert all(h["loss/consistency"] > 0 and h["loss/ar"] > 0 for h in logs)
@@ -146,7 +146,7 @@ def test_resume_repeats_the_same_losses(tmp_path, monkeypatch):
     """N steps straight == N/2, crash, resume, N/2: same data order, same state draws, same losses."""
     extra = ("recipe.report.enabled=false", "trainer.gradient_accumulation_steps=2")
     straight = tmp_path / "straight"
-    fastdecode_recipes.run(cllm_cfg(straight, *extra))
+    recipes.run(cllm_cfg(straight, *extra))
     expected = [(round(h["loss"], 5), h["loss/consistency"]) for h in _history(straight / "run", 4)]
 
     from cllm_train.trainer import CLLMTrainer
@@ -161,9 +161,9 @@ def test_resume_repeats_the_same_losses(tmp_path, monkeypatch):
 
     monkeypatch.setattr(CLLMTrainer, "training_step", crash_after_checkpoint)
     with pytest.raises(KeyboardInterrupt):
-        fastdecode_recipes.run(cllm_cfg(crashed, *extra))
+        recipes.run(cllm_cfg(crashed, *extra))
     monkeypatch.setattr(CLLMTrainer, "training_step", original)
-    fastdecode_recipes.run(cllm_cfg(crashed, *extra, "resume_from_checkpoint=auto"))
+    recipes.run(cllm_cfg(crashed, *extra, "resume_from_checkpoint=auto"))
     resumed = [(round(h["loss"], 5), h["loss/consistency"]) for h in _history(crashed / "run", 4)]
     assert resumed == expected
 
@@ -180,13 +180,13 @@ def test_gradient_accumulation_trains_like_one_large_batch(tmp_path, ar_weight):
             f"trainer.gradient_accumulation_steps={accum}",
         ]
         extra += [f"recipe.ar_weight={ar_weight}", "trainer.max_steps=2", "recipe.report.enabled=false"]
-        fastdecode_recipes.run(cllm_cfg(out, *extra))
+        recipes.run(cllm_cfg(out, *extra))
         runs[batch] = [v for h in _history(out / "run", 2) for v in (h["loss"], h["grad_norm"])]
     assert runs[4] == pytest.approx(runs[2], rel=1e-4)  # step 2 also checks that step 1's update matched
 
 
 def test_lora_adapters_train_merge_and_reload(tmp_path):
-    summary = fastdecode_recipes.run(
+    summary = recipes.run(
         cllm_cfg(
             tmp_path,
             "peft=lora",
@@ -200,7 +200,7 @@ def test_lora_adapters_train_merge_and_reload(tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
     assert not any("lora" in name for name, _ in merged.named_parameters())
     from fastdecode.config import ModelConfig, load_group
-    from fastdecode.loading import load_model
+    from fastdecode.runtime.loading import load_model
 
     base = dict(load_model(load_group("model", "tiny-llama", ModelConfig))[0].named_parameters())
     changed = [n for n, p in merged.named_parameters() if not torch.equal(p, base[n])]
@@ -209,7 +209,7 @@ def test_lora_adapters_train_merge_and_reload(tmp_path):
 
 def _no_model(monkeypatch):
     monkeypatch.setattr(
-        "fastdecode_recipes.finetune.load_model", lambda *a, **k: pytest.fail("model weights loaded")
+        "recipes.finetune.load_model", lambda *a, **k: pytest.fail("model weights loaded")
     )
 
 
@@ -228,7 +228,7 @@ def test_a_malformed_record_names_its_file_and_line(tmp_path, monkeypatch):
     with pytest.raises(
         RecordError, match=r"shard-r0-00000\.jsonl:3: malformed trajectory record: first_mismatch"
     ):
-        fastdecode_recipes.run(cllm_cfg(tmp_path))
+        recipes.run(cllm_cfg(tmp_path))
 
 
 def test_trajectories_of_another_tokenizer_are_refused_before_loading(tmp_path, monkeypatch):
@@ -240,13 +240,13 @@ def test_trajectories_of_another_tokenizer_are_refused_before_loading(tmp_path, 
     with pytest.raises(
         ConfigError, match=r"collected with tokenizer 'other-bpe' \(32000 tokens.*Collect them"
     ):
-        fastdecode_recipes.run(cllm_cfg(tmp_path))
+        recipes.run(cllm_cfg(tmp_path))
 
 
 def test_an_empty_trajectory_directory_is_refused(tmp_path, monkeypatch):
     _no_model(monkeypatch)
     with pytest.raises(ConfigError, match=r"holds no record"):
-        fastdecode_recipes.run(cllm_cfg(tmp_path, records=[]))
+        recipes.run(cllm_cfg(tmp_path, records=[]))
 
 
 @pytest.mark.parametrize(
@@ -263,13 +263,13 @@ def test_an_empty_trajectory_directory_is_refused(tmp_path, monkeypatch):
 def test_bad_recipe_config_fails_before_loading(tmp_path, monkeypatch, override, message):
     _no_model(monkeypatch)
     with pytest.raises(ConfigError, match=message):
-        fastdecode_recipes.run(cllm_cfg(tmp_path, override))
+        recipes.run(cllm_cfg(tmp_path, override))
 
 
 def test_labels_are_required_for_the_labels_ar_target(tmp_path, monkeypatch):
     _no_model(monkeypatch)
     with pytest.raises(ConfigError, match=r"ar_target=labels but 16 of 16 records have labels=null"):
-        fastdecode_recipes.run(cllm_cfg(tmp_path, records=synthetic_records(8, labels=False)))
+        recipes.run(cllm_cfg(tmp_path, records=synthetic_records(8, labels=False)))
 
 
 @pytest.mark.distributed

@@ -16,10 +16,11 @@ from cllm_train.collect import run
 from cllm_train.records import RecordError, check_manifest, iter_records, read_manifest
 from eval.collect_throughput import run as run_throughput
 from fastdecode.config import ConfigError, ModelConfig, load_group
-from fastdecode.decoding import DECODERS, DecodeConfig
-from fastdecode.loading import load_model
-from fastdecode.model import EarlyExitModel
-from fastdecode.tokenizer import byte_tokenizer
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.registry import DECODERS
+from fastdecode.runtime.loading import load_model
+from fastdecode.runtime.model import EarlyExitModel
+from fastdecode.runtime.tokenizer import byte_tokenizer
 from tests.helpers import free_port, second_eos_loader
 from tests.job_configs import collect_cfg, collect_overrides
 
@@ -147,7 +148,7 @@ def test_bad_input_fails_clearly(tmp_path):
 def test_throughput_benchmark_matches_the_reference(tmp_path):
     report = run_throughput(collect_cfg(tmp_path, "+bench_prompts=3", "+warmup=true", "max_new_seq_len=12"))
     assert report["records"]["ours"] == report["records"]["reference"] == report["same_states"] > 0
-    from fastdecode.machine import machine_label
+    from fastdecode.runtime.machine import machine_label
 
     assert report["measured_on"] == machine_label()  # tokens per second name the CPU and its threads
 

@@ -11,7 +11,7 @@ from hydra.errors import MissingConfigException
 
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, group_choices, load_group, to_dataclass
 from fastdecode_cli.launch import strip_launcher_args
-from fastdecode_recipes.common import load_job, training_arguments
+from recipes.common import load_job, training_arguments
 
 GROUPS = ["recipe", "model", "data", "trainer", "deepspeed", "experiment"]
 
@@ -78,10 +78,10 @@ def test_unknown_group_option_lists_choices():
 
 
 def test_unknown_recipe_name_lists_choices():
-    import fastdecode_recipes
+    import recipes
 
     with pytest.raises(ConfigError, match=r"Unknown recipe 'nope'.*Choices: .*sft"):
-        fastdecode_recipes.run(_compose("recipe.name=nope", "model=tiny-llama"))
+        recipes.run(_compose("recipe.name=nope", "model=tiny-llama"))
 
 
 def test_deepspeed_launcher_argument_is_stripped(monkeypatch):
@@ -129,7 +129,7 @@ def test_cli_help_and_cfg_job(flag):
 def test_device_and_dtype_resolution():
     import torch
 
-    from fastdecode.loading import resolve_device, resolve_dtype
+    from fastdecode.runtime.loading import resolve_device, resolve_dtype
 
     cpu = resolve_device("cpu")
     assert resolve_dtype("auto", cpu) == torch.float32  # fp32 on a CPU

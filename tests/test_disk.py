@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import fastdecode_recipes
+import recipes
 from fastdecode.errors import DiskFullError, DiskSpaceError, OutputNotWritableError
-from fastdecode.faults import ENV as FAULT
-from fastdecode.io import atomic_directory, atomic_write_text, check_writable
-from fastdecode.tensor_shards import ShardReader, ShardWriter
-from fastdecode_recipes.resume import checkpoint_problem, latest_complete_checkpoint
+from fastdecode.files.faults import ENV as FAULT
+from fastdecode.files.io import atomic_directory, atomic_write_text, check_writable
+from fastdecode.files.tensor_shards import ShardReader, ShardWriter
+from recipes.resume import checkpoint_problem, latest_complete_checkpoint
 from tests.job_configs import collect_cfg, train_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def sft_cfg(tmp_path: Path, *extra: str):
 
 
 def fail_on_load(monkeypatch) -> None:
-    for target in ("fastdecode_recipes.finetune.load_model", "fastdecode.loading.load_model"):
+    for target in ("recipes.finetune.load_model", "fastdecode.runtime.loading.load_model"):
         monkeypatch.setattr(target, lambda *a, **k: pytest.fail("the model was loaded"))
     monkeypatch.setattr("cllm_train.collect.load_tokenizer", lambda *a, **k: pytest.fail("tokenizer loaded"))
 
@@ -83,7 +83,7 @@ def test_train_collect_and_speed_refuse_a_read_only_output_before_loading(tmp_pa
     cfgs = [sft_cfg(tmp_path), collect_cfg(tmp_path), tiny_speed_cfg(tmp_path)]
     fail_on_load(monkeypatch)
     monkeypatch.setenv(FAULT, "erofs:writable")  # the probe file meets EROFS, as on a read-only mount
-    for run, cfg in zip([fastdecode_recipes.run, run_collect, run_speed], cfgs, strict=True):
+    for run, cfg in zip([recipes.run, run_collect, run_speed], cfgs, strict=True):
         with pytest.raises(
             OutputNotWritableError, match=r"output_dir=.* is not writable.*: Read-only file system"
         ):
@@ -111,14 +111,14 @@ def _written(run: Path) -> int:
 
 
 def test_the_training_estimate_matches_what_a_run_writes_and_the_plan_is_said(tmp_path, capsys):
-    from fastdecode.loading import model_config
-    from fastdecode_recipes.common import load_job
-    from fastdecode_recipes.disk import parameter_count, training_disk_need
+    from fastdecode.runtime.loading import model_config
+    from recipes.common import load_job
+    from recipes.disk import parameter_count, training_disk_need
 
     cfg = sft_cfg(tmp_path)
     job = load_job(cfg)
     needed, what = training_disk_need(job, parameter_count(model_config(job.model)))
-    fastdecode_recipes.run(cfg)
+    recipes.run(cfg)
     written = _written(tmp_path / "run")
     assert "2 checkpoint(s)" in what and abs(needed - written) < 0.05 * written, (needed, written)
     out = capsys.readouterr().out
@@ -128,13 +128,13 @@ def test_the_training_estimate_matches_what_a_run_writes_and_the_plan_is_said(tm
 
 def test_too_little_room_is_refused_before_loading_naming_the_numbers_and_the_option(tmp_path, monkeypatch):
     fail_on_load(monkeypatch)
-    monkeypatch.setattr("fastdecode.io.free_bytes", lambda path: 1_000_000)
+    monkeypatch.setattr("fastdecode.files.io.free_bytes", lambda path: 1_000_000)
     with pytest.raises(DiskSpaceError) as refused:
-        fastdecode_recipes.run(sft_cfg(tmp_path))
+        recipes.run(sft_cfg(tmp_path))
     message = str(refused.value)
     assert "2 checkpoint(s) at once" in message and "976.6 KiB (1000000 bytes) are free" in message
     assert "trainer.save_total_limit" in message
-    monkeypatch.setattr("fastdecode.io.free_bytes", lambda path: 1_000_000_000)
+    monkeypatch.setattr("fastdecode.files.io.free_bytes", lambda path: 1_000_000_000)
 
     class Loads(Exception):
         pass
@@ -142,9 +142,9 @@ def test_too_little_room_is_refused_before_loading_naming_the_numbers_and_the_op
     def load_model(*args):
         raise Loads
 
-    monkeypatch.setattr("fastdecode_recipes.finetune.load_model", load_model)
+    monkeypatch.setattr("recipes.finetune.load_model", load_model)
     with pytest.raises(Loads):  # with room, the run goes on to load the model
-        fastdecode_recipes.run(sft_cfg(tmp_path))
+        recipes.run(sft_cfg(tmp_path))
 
 
 def test_a_run_refused_for_room_on_a_small_disk_leaves_nothing_behind(tmp_path):
@@ -169,7 +169,7 @@ def test_a_run_refused_for_room_on_a_small_disk_leaves_nothing_behind(tmp_path):
 
 
 def test_the_feature_cache_estimate_is_its_size_and_too_little_room_is_refused(tmp_path, monkeypatch):
-    from fastdecode.model import EarlyExitModel
+    from fastdecode.runtime.model import EarlyExitModel
     from fastdecode.training.feature_config import FeatureConfig
     from fastdecode.training.features import build_features, cache_bytes
     from tests.helpers import random_examples, tiny_model
@@ -181,7 +181,7 @@ def test_the_feature_cache_estimate_is_its_size_and_too_little_room_is_refused(t
     size = sum(p.stat().st_size for p in (tmp_path / "f").glob("shard-*"))
     estimate = cache_bytes(examples, fcfg, 2, m.config.hidden_size)
     assert estimate <= size < estimate * 1.1  # the safetensors headers are the difference
-    monkeypatch.setattr("fastdecode.io.free_bytes", lambda path: estimate // 2)
+    monkeypatch.setattr("fastdecode.files.io.free_bytes", lambda path: estimate // 2)
     with pytest.raises(
         DiskSpaceError, match=r"the feature cache needs about .*recipe\.features\.max_records"
     ):
@@ -195,12 +195,12 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_for_the_resume(t
     run = tmp_path / "run"
     monkeypatch.setenv(FAULT, "enospc:checkpoint@4")  # checkpoint-4's weights written, then ENOSPC
     with pytest.raises(DiskFullError, match=r"checkpoint-4 failed .*incomplete checkpoint-4 was deleted"):
-        fastdecode_recipes.run(sft_cfg(tmp_path))
+        recipes.run(sft_cfg(tmp_path))
     assert checkpoint_problem(run / "checkpoint-2") is None and not (run / "checkpoint-4").exists()
     assert not (run / "final").exists()
     monkeypatch.delenv(FAULT)
     assert latest_complete_checkpoint(run) == str(run / "checkpoint-2")
-    fastdecode_recipes.run(sft_cfg(tmp_path, "resume_from_checkpoint=auto"))
+    recipes.run(sft_cfg(tmp_path, "resume_from_checkpoint=auto"))
     assert (
         checkpoint_problem(run / "checkpoint-4") is None and (run / "final" / "model.safetensors").is_file()
     )
@@ -208,12 +208,12 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_for_the_resume(t
 
 def test_a_really_full_disk_during_training_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(
-        "fastdecode_recipes.finetune.check_training_disk", lambda *a: None
+        "recipes.finetune.check_training_disk", lambda *a: None
     )  # meet it for real
     sft_cfg(tmp_path)
     with tmpfs(tmp_path / "small", size="1m") as small:
         with pytest.raises(DiskFullError, match=r"the disk is full: writing .*small/run"):
-            fastdecode_recipes.run(sft_cfg(tmp_path, f"output_dir={small}/run"))
+            recipes.run(sft_cfg(tmp_path, f"output_dir={small}/run"))
         assert [p.name for p in (small / "run").glob("checkpoint-*")] == []  # the partial one is deleted
 
 

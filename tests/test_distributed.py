@@ -100,7 +100,7 @@ def test_skipdecode_two_process_ddp_exports_a_loadable_checkpoint(tmp_path):
 def test_eagle3_two_process_training_exports_the_trained_head(tmp_path, kind, deepspeed):
     """Rank 0 builds the feature cache, the other rank reuses it; the head is gathered (ZeRO-3) and saved
     once, equal to the last checkpoint's."""
-    from fastdecode.eagle3_files import load_eagle3
+    from fastdecode.drafters.eagle3.files import load_eagle3
 
     data = write_chat_jsonl(tmp_path / "chat.jsonl")
     out = tmp_path / "run"

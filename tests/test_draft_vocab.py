@@ -13,11 +13,13 @@ import torch
 from fastdecode.config import ConfigError, load_group
 from fastdecode.data.config import DataConfig
 from fastdecode.data.draft_vocab import build_draft_vocab, draft_vocab_from_data
-from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig
+from fastdecode.decoding.config import DecodeConfig
 from fastdecode.decoding.draft_vocab import draft_vocab_ids
-from fastdecode.draft_vocab_file import load_draft_vocab, save_draft_vocab
-from fastdecode.model import EarlyExitModel
-from fastdecode.tokenizer import byte_tokenizer
+from fastdecode.decoding.policies import POLICIES
+from fastdecode.files.draft_vocab_file import load_draft_vocab, save_draft_vocab
+from fastdecode.registry import DECODERS
+from fastdecode.runtime.model import EarlyExitModel
+from fastdecode.runtime.tokenizer import byte_tokenizer
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.helpers import (
     assert_drafted_and_accepted,

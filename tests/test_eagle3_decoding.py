@@ -12,23 +12,26 @@ import pytest
 import torch
 
 from fastdecode import api
-from fastdecode.acceptance import AcceptanceRecord, DrafterRecord, write_record
 from fastdecode.api import FastDecoder
 from fastdecode.bench.config import plan as speed_plan
 from fastdecode.config import ConfigError
-from fastdecode.cost import estimate_costs
-from fastdecode.decoding import DECODERS, POLICIES, PROPOSERS, DecodeConfig, LookupOptions
-from fastdecode.decoding import eagle3 as eagle3_kind
 from fastdecode.decoding.autoregressive import generate as autoregressive
 from fastdecode.decoding.common import Rows, prefill
-from fastdecode.decoding.eagle3 import head_token_cost, load_head
-from fastdecode.decoding.eagle3_proposer import Eagle3Proposer
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.decoding.policies import POLICIES
 from fastdecode.decoding.policies import POLICIES as POLICY_CLASSES
 from fastdecode.decoding.speculative import Draft, Round, Settled, verify
-from fastdecode.eagle3 import Eagle3Config, Eagle3Head
-from fastdecode.eagle3_files import WEIGHTS_FILE, Eagle3FileError, save_eagle3
-from fastdecode.eagle3_layer import Eagle3KV
-from fastdecode.model import EarlyExitModel
+from fastdecode.drafters.eagle3 import kind as eagle3_kind
+from fastdecode.drafters.eagle3.files import WEIGHTS_FILE, Eagle3FileError, save_eagle3
+from fastdecode.drafters.eagle3.kind import head_token_cost, load_head
+from fastdecode.drafters.eagle3.layer import Eagle3KV
+from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head
+from fastdecode.drafters.eagle3.proposer import Eagle3Proposer
+from fastdecode.drafters.lookup.options import LookupOptions
+from fastdecode.plan.acceptance import AcceptanceRecord, DrafterRecord, write_record
+from fastdecode.plan.cost import estimate_costs
+from fastdecode.registry import DECODERS, PROPOSERS
+from fastdecode.runtime.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.eagle3_heads import (
     head_dir,
@@ -180,7 +183,7 @@ def test_eagle3_and_its_chain_on_every_execution_path(engine):
     ref = autoregressive(m, prompts, replace(base, **REFERENCE)).tokens
     for chain, trial in ((False, 16), (True, 0), (True, 1)):  # alone, a chain never retired, one retired
         out = DECODERS["eagle3"](
-            m, prompts, replace(base, chain=chain, lookup=LookupOptions(fallback_trial=trial))
+            m, prompts, replace(base.with_options(LookupOptions(fallback_trial=trial)), chain=chain)
         )
         assert out.tokens == ref, (chain, trial)
         assert_drafted_and_accepted(out, chain, trial)
@@ -197,16 +200,7 @@ def test_eagle3_sampling_matches_the_target_distribution(tmp_path, chain):
     m = tiny_vocab_model()
     head = random_tiny_vocab_head(m, tmp_path)
     prompt, samples = [3, 1, 4, 1, 5], 4000
-    cfg = DecodeConfig(
-        max_new_tokens=4,
-        temperature=1.0,
-        draft_tokens=3,
-        seed=3,
-        costs="estimated",
-        drafter=head,
-        chain=chain,
-        lookup=LookupOptions(fallback_trial=0),  # never retired
-    )
+    cfg = DecodeConfig(max_new_tokens=4, temperature=1.0, draft_tokens=3, seed=3, costs="estimated", drafter=head, chain=chain).with_options(LookupOptions(fallback_trial=0))
     joint = exact_joint(m, prompt, 4, cfg)
     out = DECODERS["eagle3"](m, [prompt] * samples, cfg)
     accepted, drafted = sum(out.accepted), sum(out.drafted)

@@ -1,5 +1,5 @@
-"""The EAGLE-3 head (fastdecode/eagle3.py, eagle3_layer.py) and its two checkpoint dialects
-(fastdecode/eagle3_files.py), on tiny random heads."""
+"""The EAGLE-3 head (fastdecode/drafters/eagle3/model.py, eagle3_layer.py) and its two checkpoint dialects
+(fastdecode/drafters/eagle3/files.py), on tiny random heads."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
-from fastdecode.cache import KVCache
-from fastdecode.eagle3 import (
+from fastdecode.drafters.eagle3.files import Eagle3FileError, load_eagle3, save_eagle3
+from fastdecode.drafters.eagle3.layer import Eagle3KV, apply_rope, rope_cos_sin, ttt_mask
+from fastdecode.drafters.eagle3.model import (
     Eagle3Config,
     Eagle3ConfigError,
     Eagle3Head,
@@ -21,9 +22,8 @@ from fastdecode.eagle3 import (
     vocab_maps,
     vocab_maps_agree,
 )
-from fastdecode.eagle3_files import Eagle3FileError, load_eagle3, save_eagle3
-from fastdecode.eagle3_layer import Eagle3KV, apply_rope, rope_cos_sin, ttt_mask
 from fastdecode.errors import UserError
+from fastdecode.runtime.cache import KVCache
 
 H, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, DRAFT = 32, 4, 2, 8, 64, 50, 20
 KEPT = [0, 1, 2, 3, 7, 9, 11, 12, 15, 20, 21, 22, 30, 31, 33, 40, 41, 45, 48, 49]
@@ -335,7 +335,7 @@ def test_missing_norm_before_residual_reads_the_speculators_default(tmp_path, ca
     config = json.loads((out / "config.json").read_text())
     del config["norm_before_residual"]
     (out / "config.json").write_text(json.dumps(config))
-    with caplog.at_level(logging.WARNING, logger="fastdecode.eagle3_files"):
+    with caplog.at_level(logging.WARNING, logger="fastdecode.drafters.eagle3.files"):
         _, cfg = load_eagle3(out)
     assert cfg.norm_before_residual is False
     assert "vLLM would assume true" in caplog.text

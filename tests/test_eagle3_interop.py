@@ -1,4 +1,4 @@
-"""Real clients of the EAGLE-3 head files ``fastdecode.eagle3_files.save_eagle3`` writes.
+"""Real clients of the EAGLE-3 head files ``fastdecode.drafters.eagle3.files.save_eagle3`` writes.
 
 SGLang (unit tests): the ``sglang/`` export has exactly the tensors, shapes and config SGLang's
 ``LlamaForCausalLMEagle3`` loads, and SGLang's layer computed from those tensors gives our logits. The
@@ -33,8 +33,8 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_train.losses import ttt_unroll
-from fastdecode.eagle3 import Eagle3Config, Eagle3Head
-from fastdecode.eagle3_files import load_eagle3, save_eagle3, sglang_unsupported
+from fastdecode.drafters.eagle3.files import load_eagle3, save_eagle3, sglang_unsupported
+from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head
 from tests.test_eagle3_head import DRAFT, KEPT, H, inputs, random_head, rms, target_config
 
 STACKED = [  # SGLang's stacked_params_mapping: (param_name, shard_name, shard_id)
@@ -134,7 +134,7 @@ def test_a_specforge_config_without_norm_before_residual_is_read_as_sglang_runs_
     for key in ("norm_before_residual", "norm_before_fc", "fc_norm"):  # SpecForge writes none of them
         del config[key]
     (out / "config.json").write_text(json.dumps(config))
-    with caplog.at_level(logging.WARNING, logger="fastdecode.eagle3_files"):
+    with caplog.at_level(logging.WARNING, logger="fastdecode.drafters.eagle3.files"):
         loaded, cfg = load_eagle3(out)
     assert cfg.norm_before_residual is False and not caplog.text  # SGLang's only layer: no doubt to warn of
     embeds, features, positions = inputs()

@@ -16,8 +16,8 @@ from eagle3_train.losses import (
     ttt_loss,
     ttt_unroll,
 )
-from fastdecode.eagle3 import Eagle3Config, Eagle3Head
-from fastdecode.eagle3_layer import Eagle3KV
+from fastdecode.drafters.eagle3.layer import Eagle3KV
+from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head
 from fastdecode.tokens import IGNORE_INDEX
 
 H, VOCAB, DRAFT = 32, 64, 40

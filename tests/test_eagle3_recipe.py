@@ -11,16 +11,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import fastdecode_recipes
+import recipes
 from eagle3_train.losses import ttt_loss
 from eagle3_train.module import step0_items
 from eagle3_train.report import leading_matches
-from fastdecode.acceptance import read_record, replay_leads
 from fastdecode.config import ConfigError
-from fastdecode.eagle3 import Eagle3Config, Eagle3Head
-from fastdecode.eagle3_files import load_eagle3
-from fastdecode.eagle3_layer import Eagle3KV
-from fastdecode.model import EarlyExitModel
+from fastdecode.drafters.eagle3.files import load_eagle3
+from fastdecode.drafters.eagle3.layer import Eagle3KV
+from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head
+from fastdecode.plan.acceptance import read_record, replay_leads
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.tokens import IGNORE_INDEX
 from tests.helpers import tiny_model
 from tests.job_configs import LIVELY, train_cfg
@@ -51,7 +51,7 @@ def head_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_eagle3_recipe_trains_exports_and_records(tmp_path):
-    summary = fastdecode_recipes.run(eagle3_cfg(tmp_path, "recipe.speculative_tokens=4"))
+    summary = recipes.run(eagle3_cfg(tmp_path, "recipe.speculative_tokens=4"))
     run, final = tmp_path / "run", tmp_path / "run" / "final"
     # final/ is the head in both dialects, equal to the trained head of the last checkpoint
     trained = {
@@ -84,7 +84,7 @@ def test_eagle3_recipe_trains_exports_and_records(tmp_path):
 
 
 def test_online_mode_computes_the_features_per_batch(tmp_path):
-    summary = fastdecode_recipes.run(
+    summary = recipes.run(
         eagle3_cfg(
             tmp_path,
             "recipe.features.mode=online",
@@ -112,7 +112,7 @@ def test_gradient_accumulation_trains_like_one_large_batch(tmp_path, mode):
             f"trainer.gradient_accumulation_steps={accum}",
         )
         extra += ("trainer.max_steps=2", "trainer.save_steps=2", "recipe.report.enabled=false", *online)
-        fastdecode_recipes.run(eagle3_cfg(out, *extra))
+        recipes.run(eagle3_cfg(out, *extra))
         state = json.loads((out / "run" / "checkpoint-2" / "trainer_state.json").read_text())
         runs[batch] = [v for h in state["log_history"] if "loss" in h for v in (h["loss"], h["grad_norm"])]
     assert len(runs[4]) == 4 and runs[4] == pytest.approx(
@@ -132,9 +132,9 @@ def test_step0_items_counts_what_the_loss_scores():
 
 def test_a_run_resumes_from_its_checkpoint(tmp_path):
     fast = ("recipe.report.enabled=false", "resume_from_checkpoint=auto")
-    fastdecode_recipes.run(eagle3_cfg(tmp_path, "trainer.max_steps=2", *fast))
+    recipes.run(eagle3_cfg(tmp_path, "trainer.max_steps=2", *fast))
     assert (tmp_path / "run" / "checkpoint-2").is_dir()
-    resumed = fastdecode_recipes.run(eagle3_cfg(tmp_path, *fast))  # steps 3 and 4 only
+    resumed = recipes.run(eagle3_cfg(tmp_path, *fast))  # steps 3 and 4 only
     state = json.loads((tmp_path / "run" / "checkpoint-4" / "trainer_state.json").read_text())
     assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3, 4]
     assert resumed["export_check"]["abs_diff"] == 0
@@ -157,9 +157,9 @@ def test_a_run_resumes_from_its_checkpoint(tmp_path):
     ],
 )
 def test_bad_settings_are_refused_before_the_weights_load(tmp_path, monkeypatch, overrides, message):
-    monkeypatch.setattr("fastdecode_recipes.finetune.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr("recipes.finetune.load_model", lambda *a, **k: pytest.fail("model loaded"))
     with pytest.raises(ConfigError, match=message):
-        fastdecode_recipes.run(eagle3_cfg(tmp_path, *overrides))
+        recipes.run(eagle3_cfg(tmp_path, *overrides))
 
 
 def test_ttt_metrics_stay_tensors():

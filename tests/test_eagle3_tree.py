@@ -1,5 +1,5 @@
 """EAGLE-2's dynamic draft trees drafted by the EAGLE-3 head (``decoder.eagle3.tree``,
-``fastdecode/decoding/eagle3_tree.py``): every node is among the head's top-k after its own path (the tree
+``fastdecode/drafters/eagle3/tree.py``): every node is among the head's top-k after its own path (the tree
 mask over the head's keys and positions by depth), the head's cache is left as the chain path leaves it,
 greedy decoding equals autoregressive decoding on every family and engine, sampling stays lossless."""
 
@@ -12,15 +12,17 @@ import torch
 
 from fastdecode.api import FastDecoder
 from fastdecode.config import ConfigError
-from fastdecode.decoding import DECODERS, DecodeConfig, Eagle3Options
-from fastdecode.decoding import eagle3 as eagle3_kind
 from fastdecode.decoding.autoregressive import generate as autoregressive
 from fastdecode.decoding.common import Rows
-from fastdecode.decoding.eagle3 import load_head
-from fastdecode.decoding.eagle3_proposer import Eagle3Proposer
-from fastdecode.decoding.eagle3_tree import grow, node_budget
+from fastdecode.decoding.config import DecodeConfig
 from fastdecode.decoding.policies import POLICIES as POLICY_CLASSES
 from fastdecode.decoding.speculative import Round
+from fastdecode.drafters.eagle3 import kind as eagle3_kind
+from fastdecode.drafters.eagle3.kind import load_head
+from fastdecode.drafters.eagle3.options import Eagle3Options
+from fastdecode.drafters.eagle3.proposer import Eagle3Proposer
+from fastdecode.drafters.eagle3.tree import grow, node_budget
+from fastdecode.registry import DECODERS
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.eagle3_heads import head_dir, random_tiny_vocab_head, training_sequences
 from tests.helpers import exact_joint, pair_pvalues, tiny_model, tiny_vocab_model
@@ -57,7 +59,7 @@ def one_round(tree: bool, top_k: int = 3, *, policy: str = "constant", costs=Non
     m = target("tiny-llama")
     head = load_head(head_dir(m), m)
     prompts = [training_sequences(m)[0, :12].tolist(), [7, 8, 9, 10, 11]]
-    cfg = DecodeConfig(max_new_tokens=8, eagle3=Eagle3Options(tree=tree, top_k=top_k))
+    cfg = DecodeConfig(max_new_tokens=8).with_options(Eagle3Options(tree=tree, top_k=top_k))
     proposer = Eagle3Proposer(m, head, cfg, torch.Generator(), costs=costs)
     proposer.policy = POLICY_CLASSES[policy](4)
     with torch.inference_mode():
@@ -123,9 +125,7 @@ def test_tree_greedy_equals_autoregressive(name, engine, monkeypatch):
     m = target(name)
     path, prompts = head_dir(m), mixed_prompts(m)
     eos = m.config.eos_token_id
-    base = DecodeConfig(
-        max_new_tokens=16, draft_tokens=4, costs="estimated", drafter=path, eos_token_id=eos, eagle3=TREE
-    )
+    base = DecodeConfig(max_new_tokens=16, draft_tokens=4, costs="estimated", drafter=path, eos_token_id=eos).with_options(TREE)
     ref = autoregressive(m, prompts, replace(base, **REFERENCE)).tokens
     base = replace(base, **ENGINES[engine])
     for policy in ("constant", "adaptive"):
@@ -147,16 +147,7 @@ def test_tree_sampling_matches_the_target_distribution(tmp_path, monkeypatch):
     m = tiny_vocab_model()
     head = random_tiny_vocab_head(m, tmp_path)
     prompt, samples = [3, 1, 4, 1, 5], 4000
-    cfg = DecodeConfig(
-        max_new_tokens=4,
-        temperature=1.0,
-        draft_tokens=4,
-        seed=3,
-        costs="estimated",
-        policy="constant",
-        drafter=head,
-        eagle3=Eagle3Options(tree=True, top_k=2),
-    )
+    cfg = DecodeConfig(max_new_tokens=4, temperature=1.0, draft_tokens=4, seed=3, costs="estimated", policy="constant", drafter=head).with_options(Eagle3Options(tree=True, top_k=2))
     joint = exact_joint(m, prompt, 4, cfg)
     out = DECODERS["eagle3"](m, [prompt] * samples, cfg)
     accepted, drafted = sum(out.accepted), sum(out.drafted)
@@ -169,7 +160,7 @@ def test_tree_options_are_checked():
     with pytest.raises(ConfigError, match="top_k"):
         Eagle3Options(tree=True, top_k=0)
     m = target("tiny-llama")
-    cfg = DecodeConfig(max_new_tokens=4, drafter=head_dir(m), chain=True, eagle3=TREE)
+    cfg = DecodeConfig(max_new_tokens=4, drafter=head_dir(m), chain=True).with_options(TREE)
     with pytest.raises(ConfigError, match="decoder.chain=false"):
         eagle3_kind.check(m, [[1, 2, 3]], cfg)
 

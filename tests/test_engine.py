@@ -1,4 +1,4 @@
-"""The execution engine (fastdecode/engine.py, fast_linear.py, the static cache): every kernel equals
+"""The execution engine (fastdecode/runtime/engine.py, fast_linear.py, the static cache): every kernel equals
 ``F.linear`` within rounding, engine layers equal HF's layers for every family and cache mode, packed copies
 follow in-place weight changes, training never runs them, the compiled path decodes like the reference."""
 
@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from torch import nn
 
-from fastdecode.cache import CAPACITY_BUCKET, KVCache, StaticKVCache
 from fastdecode.config import CONFIG_DIR, ConfigError
-from fastdecode.decoding import DECODERS, DecodeConfig
-from fastdecode.engine import EngineOptions, RotaryLayer, default_options
-from fastdecode.fast_linear import FastLinear, available_kernels, calibrate, uniform_plan
-from fastdecode.model import EarlyExitModel
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.registry import DECODERS
+from fastdecode.runtime.cache import CAPACITY_BUCKET, KVCache, StaticKVCache
+from fastdecode.runtime.engine import EngineOptions, RotaryLayer, default_options
+from fastdecode.runtime.fast_linear import FastLinear, available_kernels, calibrate, uniform_plan
+from fastdecode.runtime.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.helpers import lively_model, random_prompts, tiny_model
 
@@ -326,7 +327,7 @@ def test_engine_benchmark_writes_its_report(tmp_path):
     assert entry["forward"]["paths"]["engine"]["model"]["2"]["vs_hf_T1"] > 0
     ar = entry["autoregressive"]["batch1"]
     assert all(r["tokens_equal_hf_generate"] for r in ar.values())  # every path decodes like HF generate
-    from fastdecode.machine import machine_label
+    from fastdecode.runtime.machine import machine_label
 
     markdown = (tmp_path / "engine.md").read_text()
     assert "Forward cost" in markdown
@@ -355,8 +356,8 @@ def test_auto_draft_length_follows_the_recorded_acceptance(tmp_path):
 
     from fastdecode.bench.auto import resolve_draft_tokens
     from fastdecode.bench.config import AUTO_DRAFT_CAP, Method, MethodConfig
-    from fastdecode.choose import choose_exit
-    from fastdecode.cost import estimate_costs
+    from fastdecode.plan.choose import choose_exit
+    from fastdecode.plan.cost import estimate_costs
 
     m = lively_model("tiny-llama")
     costs = estimate_costs(

@@ -22,9 +22,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from adapter_train.config import ExitAdapterConfig, LossConfig
 from adapter_train.module import AdapterLM
-from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig
-from fastdecode.draft_vocab_file import save_draft_vocab
-from fastdecode.exit_adapter import (
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.decoding.policies import POLICIES
+from fastdecode.drafters.exits.adapter import (
     KINDS,
     AdapterMismatchError,
     DraftVocabMismatchError,
@@ -33,8 +33,10 @@ from fastdecode.exit_adapter import (
     load_adapter,
     save_adapter,
 )
-from fastdecode.model import EarlyExitModel
-from fastdecode.tensor_shards import ShardHeaderError, ShardReader, ShardWriter
+from fastdecode.files.draft_vocab_file import save_draft_vocab
+from fastdecode.files.tensor_shards import ShardHeaderError, ShardReader, ShardWriter
+from fastdecode.registry import DECODERS
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.training.feature_config import FeatureConfig
 from fastdecode.training.feature_records import batch_features
 from fastdecode.training.features import FeatureDataset, build_features, collate_features
@@ -101,7 +103,7 @@ def test_greedy_through_an_adapter_with_a_draft_vocabulary_and_many_rows(tmp_pat
 def test_the_adapter_cache_layer_is_filled_and_rolled_back_with_the_rest(tmp_path):
     m = lively_model("tiny-llama", 0.1)
     path = _saved(tmp_path, m, perturbed_adapter(m, 2, "attention"), "E2")
-    from fastdecode.decoding import proposers as module
+    from fastdecode.drafters.exits import proposer as module
 
     captured, original = {}, module.prefill
 
@@ -158,8 +160,8 @@ def test_a_saved_and_loaded_adapter_gives_identical_drafts(tmp_path):
 
 
 def test_an_adapter_saved_again_into_the_same_directory_is_loaded_again(tmp_path):
-    """Decoding loads an adapter once per model and version of its files (fastdecode/file_cache.py)."""
-    from fastdecode.exit_adapter import adapter_for_decoding
+    """Decoding loads an adapter once per model and version of its files (fastdecode/files/file_cache.py)."""
+    from fastdecode.drafters.exits.adapter import adapter_for_decoding
 
     m = lively_model("tiny-llama", 0.1)
     path = _saved(tmp_path, m, perturbed_adapter(m, 2, "block", seed=1), "E")
@@ -210,8 +212,8 @@ _KILL_SCRIPT = textwrap.dedent(
     from fastdecode.training.feature_config import FeatureConfig
     from fastdecode.training.features import build_features
     from fastdecode.config import ModelConfig, load_group
-    from fastdecode.loading import load_model
-    from fastdecode.model import EarlyExitModel
+    from fastdecode.runtime.loading import load_model
+    from fastdecode.runtime.model import EarlyExitModel
     from tests.helpers import random_examples
 
     model, tokenizer = load_model(load_group("model", "tiny-llama", ModelConfig, dtype="float32", device="cpu"))
@@ -276,7 +278,7 @@ def test_feature_caching_resumes_after_kill_9_without_losing_or_duplicating(tmp_
 
 
 def test_a_crash_between_shard_and_manifest_commits_nothing_twice(tmp_path, monkeypatch):
-    import fastdecode.tensor_shards as shards
+    import fastdecode.files.tensor_shards as shards
 
     header = {"model": "x"}
     writer = ShardWriter(tmp_path, header, shard_records=2)
@@ -444,7 +446,7 @@ def test_the_exit_report_refuses_a_bad_run_of_adapters_before_loading(tmp_path, 
     from hydra import compose, initialize_config_dir
 
     from fastdecode.config import CONFIG_DIR
-    from fastdecode.exit_adapter import AdapterError
+    from fastdecode.drafters.exits.adapter import AdapterError
     from fastdecode_cli.exits import run
 
     model, tokenizer = tiny_model("tiny-llama")
@@ -453,7 +455,7 @@ def test_the_exit_report_refuses_a_bad_run_of_adapters_before_loading(tmp_path, 
     save_adapter(perturbed_adapter(m, 1, "block"), run_dir / "E1", m, tokenizer, vocab=torch.arange(3, 100))
     save_adapter(perturbed_adapter(m, 2, "block"), run_dir / "E2", m, tokenizer)
     (run_dir / "adapters.json").write_text(index)
-    monkeypatch.setattr("fastdecode.loading.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr("fastdecode.runtime.loading.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("exits", overrides=["model=tiny-llama", f"adapter={run_dir}", f"output_dir={tmp_path}"])
     with pytest.raises(AdapterError, match=message):
@@ -461,7 +463,7 @@ def test_the_exit_report_refuses_a_bad_run_of_adapters_before_loading(tmp_path, 
 
 
 def test_the_exit_report_compares_raw_exits_with_adapters(tmp_path):
-    from fastdecode.exit_report import adapter_generation_report
+    from fastdecode.reports.exits import adapter_generation_report
 
     m = lively_model("tiny-llama", 0.1)
     adapters = {e: perturbed_adapter(m, e, "block", seed=e, std=0.02).eval() for e in (1, 3)}

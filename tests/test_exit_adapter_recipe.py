@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-import fastdecode_recipes
+import recipes
 from fastdecode.config import ConfigError
-from fastdecode.decoding import DECODERS, DecodeConfig
-from fastdecode.exit_adapter import DraftVocabMismatchError, ExitLayerError, read_meta
-from fastdecode.identity import weights_fingerprint
-from fastdecode.model import EarlyExitModel
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.drafters.exits.adapter import DraftVocabMismatchError, ExitLayerError, read_meta
+from fastdecode.registry import DECODERS
+from fastdecode.runtime.identity import weights_fingerprint
+from fastdecode.runtime.model import EarlyExitModel
 from tests.helpers import tiny_model
 from tests.job_configs import train_cfg
 
@@ -36,7 +37,7 @@ def adapter_cfg(tmp_path: Path, *extra: str):
 
 
 def test_exit_adapter_recipe_end_to_end(tmp_path):
-    summary = fastdecode_recipes.run(adapter_cfg(tmp_path))
+    summary = recipes.run(adapter_cfg(tmp_path))
     final = Path(summary["final"])
     index = json.loads((final / "adapters.json").read_text())
     assert set(index["adapters"]) == {"1", "2"} and set(index["agreement"]["adapter"]) == {"1", "2"}
@@ -66,13 +67,13 @@ def test_exit_adapter_recipe_end_to_end(tmp_path):
         assert out.tokens == ref
     # A second run reuses the feature cache (same model, data and settings): nothing recomputed.
     manifest = json.loads((tmp_path / "run" / "features" / "manifest.json").read_text())
-    again = fastdecode_recipes.run(adapter_cfg(tmp_path, "recipe.exits=[2]", "recipe.kind=attention"))
+    again = recipes.run(adapter_cfg(tmp_path, "recipe.exits=[2]", "recipe.kind=attention"))
     assert json.loads((tmp_path / "run" / "features" / "manifest.json").read_text()) == manifest
     assert again["features"]["scored_positions"] == summary["features"]["scored_positions"]
 
 
 def test_the_model_generates_its_own_training_data(tmp_path):
-    summary = fastdecode_recipes.run(
+    summary = recipes.run(
         adapter_cfg(
             tmp_path,
             "recipe.features.source=generate",
@@ -90,26 +91,26 @@ def test_the_model_generates_its_own_training_data(tmp_path):
 def test_bad_exits_and_draft_vocabularies_fail_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setattr("adapter_train.recipe.build_datasets", lambda *a, **k: pytest.fail("data was read"))
     with pytest.raises(ExitLayerError, match=r"recipe.exits=4 .*\[1, 3\]"):
-        fastdecode_recipes.run(adapter_cfg(tmp_path, "recipe.exits=[2,4]"))
+        recipes.run(adapter_cfg(tmp_path, "recipe.exits=[2,4]"))
     with pytest.raises(ExitLayerError, match=r"recipe.exits=0"):
-        fastdecode_recipes.run(adapter_cfg(tmp_path, "recipe.exits=[0]"))
+        recipes.run(adapter_cfg(tmp_path, "recipe.exits=[0]"))
     bad = tmp_path / "vocab.json"
     bad.write_text(json.dumps({"vocab_size": 32000, "size": 2, "ids": [1, 2]}))
     with pytest.raises(DraftVocabMismatchError, match="32000 ids but this tokenizer has 261"):
-        fastdecode_recipes.run(adapter_cfg(tmp_path, f"recipe.draft_vocab={bad}"))
+        recipes.run(adapter_cfg(tmp_path, f"recipe.draft_vocab={bad}"))
 
 
 def test_a_run_resumes_from_its_checkpoint_and_exports_only_the_adapters(tmp_path):
     fast = ("recipe.report.enabled=false", "resume_from_checkpoint=auto")
-    first = fastdecode_recipes.run(adapter_cfg(tmp_path, "trainer.max_steps=2", *fast))
+    first = recipes.run(adapter_cfg(tmp_path, "trainer.max_steps=2", *fast))
     run = tmp_path / "run"
     assert (run / "checkpoint-2").is_dir() and first["training"]["metrics"]["train_steps_per_second"] > 0
-    resumed = fastdecode_recipes.run(adapter_cfg(tmp_path, *fast))  # max_steps=4: steps 3 and 4 only
+    resumed = recipes.run(adapter_cfg(tmp_path, *fast))  # max_steps=4: steps 3 and 4 only
     steps = [h["step"] for h in resumed["training"]["history"]]
     assert steps == [1, 2, 3, 4] and (run / "checkpoint-4").is_dir()
     assert resumed["export_check"]["abs_diff"] == 0  # the saved adapters, loaded back, are the trained ones
     # A finished run resumed: nothing is trained again; the export and the summary are redone.
-    again = fastdecode_recipes.run(adapter_cfg(tmp_path, *fast))
+    again = recipes.run(adapter_cfg(tmp_path, *fast))
     assert (
         again["metrics"]["train_steps_this_run"] == 0 and again["training"]["scored_positions_per_s"] is None
     )
@@ -122,6 +123,6 @@ def test_a_run_resumes_from_its_checkpoint_and_exports_only_the_adapters(tmp_pat
 
 
 def test_lora_is_refused_before_the_model_loads(tmp_path, monkeypatch):
-    monkeypatch.setattr("fastdecode_recipes.finetune.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr("recipes.finetune.load_model", lambda *a, **k: pytest.fail("model loaded"))
     with pytest.raises(ConfigError, match="set peft=none"):
-        fastdecode_recipes.run(adapter_cfg(tmp_path, "peft=lora"))
+        recipes.run(adapter_cfg(tmp_path, "peft=lora"))

@@ -1,4 +1,4 @@
-"""Exits as draft models (fastdecode/exit_export.py): exit E exported as a plain HF checkpoint of E layers
+"""Exits as draft models (fastdecode/drafters/exits/export.py): exit E exported as a plain HF checkpoint of E layers
 gives exactly the exit's logits (every family), drafts for the full model in HF assisted generation with the
 tokens of greedy decoding, and bad input is refused before the weights load."""
 
@@ -16,13 +16,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fastdecode import exit_export
-from fastdecode.checkpoint import CheckpointError
-from fastdecode.checkpoint_info import read_sidecar, write_sidecar
 from fastdecode.config import CONFIG_DIR, ConfigError
+from fastdecode.drafters.exits import export as exit_export
+from fastdecode.drafters.exits.export import export_exit
 from fastdecode.errors import OutputNotWritableError
-from fastdecode.exit_export import export_exit
-from fastdecode.faults import ENV as FAULT
+from fastdecode.files.checkpoint import CheckpointError
+from fastdecode.files.checkpoint_info import read_sidecar, write_sidecar
+from fastdecode.files.faults import ENV as FAULT
 from fastdecode_cli.export_exit import run as run_cli
 from tests.conftest import TINY_MODELS
 from tests.helpers import lively_model, random_prompts, tiny_model
@@ -156,7 +156,7 @@ def test_a_weight_no_module_uses_is_logged_and_left_out(checkpoints, tmp_path, c
     shutil.copytree(checkpoints["tiny-llama"], source)
     weights = load_file(source / "model.safetensors") | {"model.extra.weight": torch.ones(2)}
     save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
-    with caplog.at_level("WARNING", logger="fastdecode.exit_export"):
+    with caplog.at_level("WARNING", logger="fastdecode.drafters.exits.export"):
         out = export_exit(source, 2, tmp_path / "draft")
     assert "left out: ['model.extra.weight']" in caplog.text
     assert "model.layers.2" not in caplog.text  # the dropped layers are the export, not news

@@ -11,8 +11,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from fastdecode.config import CONFIG_DIR
-from fastdecode.exit_report import generation_report, score_sequence
-from fastdecode.model import EarlyExitModel
+from fastdecode.reports.exits import generation_report, score_sequence
+from fastdecode.runtime.model import EarlyExitModel
 from tests.helpers import write_chat_jsonl
 
 
@@ -20,8 +20,8 @@ def _layerskip_checkpoint(tmp_path: Path):
     """A tiny LayerSkip run's ``final/`` (weights, tokenizer, sidecar naming its base model): (model, path)."""
     import dataclasses
 
-    from fastdecode.checkpoint_info import write_sidecar
     from fastdecode.config import ModelConfig, load_group
+    from fastdecode.files.checkpoint_info import write_sidecar
     from tests.helpers import tiny_model
 
     model, tokenizer = tiny_model("tiny-llama")
@@ -85,9 +85,9 @@ def test_eval_exits_measures_the_cost_model_once_and_generates_once_per_model(tm
     have one shape), one set of greedy generations per model (the adapter report scores the exit report's),
     and every expected speedup printed as a sentence naming the machine it was measured on."""
 
-    import fastdecode.cost
-    import fastdecode.exit_report
-    from fastdecode.machine import machine_label
+    import fastdecode.plan.cost
+    import fastdecode.reports.exits
+    from fastdecode.runtime.machine import machine_label
     from fastdecode_cli.exits import summary_lines
     from tests.helpers import tiny_llama_adapter
 
@@ -103,12 +103,12 @@ def test_eval_exits_measures_the_cost_model_once_and_generates_once_per_model(tm
 
     monkeypatch.setenv("FASTDECODE_COSTS", str(tmp_path / "costs"))  # none measured before on disk
     monkeypatch.setattr(
-        fastdecode.cost, "measure_costs", counted("measure_costs", fastdecode.cost.measure_costs)
+        fastdecode.plan.cost, "measure_costs", counted("measure_costs", fastdecode.plan.cost.measure_costs)
     )
     monkeypatch.setattr(
-        fastdecode.exit_report,
+        fastdecode.reports.exits,
         "greedy_generations",
-        counted("greedy_generations", fastdecode.exit_report.greedy_generations),
+        counted("greedy_generations", fastdecode.reports.exits.greedy_generations),
     )
     adapter = tiny_llama_adapter(tmp_path, 2)
     reports = run_exits(tmp_path, "model=checkpoint", f"checkpoint={checkpoint}", f"adapter={adapter}")
@@ -128,9 +128,10 @@ def test_eval_exits_records_what_auto_reads(tmp_path):
 
     import torch
 
-    from fastdecode.acceptance import read_record, recorded_adapter
     from fastdecode.config import ConfigError
-    from fastdecode.draft_vocab_file import save_draft_vocab
+    from fastdecode.drafters.exits.record import recorded_adapter
+    from fastdecode.files.draft_vocab_file import save_draft_vocab
+    from fastdecode.plan.acceptance import read_record
     from tests.helpers import tiny_llama_adapter
 
     model, checkpoint = _layerskip_checkpoint(tmp_path)

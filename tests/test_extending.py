@@ -16,34 +16,27 @@ import fastdecode
 import fastdecode.config
 from fastdecode.bench.config import MethodConfig, check_options
 from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
-from fastdecode.decoding import (
-    DECODERS,
-    PROPOSERS,
-    DecodeConfig,
-    DecodeOutput,
-    Offer,
-    PlanInputs,
-    ProposerKind,
-)
 from fastdecode.decoding.common import Rows, check, configure_engine, prefill, refuse_draft_model
-from fastdecode.decoding.drafters import Setup
+from fastdecode.decoding.config import DecodeConfig, DecodeOutput
+from fastdecode.decoding.kinds import Offer, PlanInputs, ProposerKind, Setup
 from fastdecode.decoding.proposers import Proposer, one_hot
 from fastdecode.decoding.speculative import Draft, Round
-from fastdecode.families import FAMILIES, Family
-from fastdecode.loading import load_model
-from fastdecode.model import EarlyExitModel
+from fastdecode.registry import DECODERS, PROPOSERS
+from fastdecode.runtime.families import FAMILIES, Family
+from fastdecode.runtime.loading import load_model
+from fastdecode.runtime.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE
 from tests.helpers import assert_drafted_and_accepted, lively_model, tiny_model
 
 
 # --------------------------------------------------------------------------------------------------------
-# A model family: a ``Family`` entry in fastdecode/families.py + configs/model/tiny-<family>.yaml
+# A model family: a ``Family`` entry in fastdecode/runtime/families.py + configs/model/tiny-<family>.yaml
 @pytest.fixture
 def toy_family(tmp_path, monkeypatch):
     """Qwen3 (a family HF has and the registry does not), added the documented way: its ``Family`` entry and
     its tiny config in a copy of the config directory."""
     assert "qwen3" not in FAMILIES
-    monkeypatch.setitem(FAMILIES, "qwen3", Family(backbone="model"))  # file 1: fastdecode/families.py
+    monkeypatch.setitem(FAMILIES, "qwen3", Family(backbone="model"))  # file 1: fastdecode/runtime/families.py
     configs = tmp_path / "configs"
     shutil.copytree(fastdecode.config.CONFIG_DIR / "model", configs / "model")
     tiny = yaml.safe_load((configs / "model" / "tiny-qwen2.yaml").read_text())
@@ -139,7 +132,7 @@ class OracleProposer(Proposer):
         self.m, self.prompts, self.cfg, self.costs = s.m, s.prompts, s.cfg, s.costs
 
     def token_cost(self) -> float:
-        return 0.01  # what the plan prices it at (a real proposer measures itself, fastdecode/cost.py)
+        return 0.01  # what the plan prices it at (a real proposer measures itself, fastdecode/plan/cost.py)
 
     def propose(self, r: Round) -> Draft:
         drafts = []

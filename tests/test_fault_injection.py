@@ -1,7 +1,7 @@
 """kill -9 at three moments of a LayerSkip run, then ``resume_from_checkpoint=auto``: per-step losses and final
 weights identical to an uninterrupted run, and never a step past ``max_steps``.
 
-Each run is ``python train.py ...`` in a subprocess; ``FASTDECODE_FAULT`` (``fastdecode/faults.py``) makes it
+Each run is ``python train.py ...`` in a subprocess; ``FASTDECODE_FAULT`` (``fastdecode/files/faults.py``) makes it
 SIGKILL itself at the named point: between checkpoints, inside a checkpoint (weights written, optimizer, RNG
 and trainer state not), during the export (``final/`` staged, not renamed).
 """

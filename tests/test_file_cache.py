@@ -1,4 +1,4 @@
-"""``FileCache`` (fastdecode/file_cache.py): an object loaded from files is kept while the files keep their
+"""``FileCache`` (fastdecode/files/file_cache.py): an object loaded from files is kept while the files keep their
 identity (path, size, mtime_ns), loaded again once one is rewritten; per owner, weakly; the newest ``maxsize``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from fastdecode.file_cache import FileCache, file_identity
+from fastdecode.files.file_cache import FileCache, file_identity
 
 
 def _write(path, text: str, mtime_ns: int) -> None:

@@ -1,4 +1,4 @@
-"""The recipe step sequence (``fastdecode_recipes.finetune``) once, on tiny-llama; ``recipe=sft`` with LoRA."""
+"""The recipe step sequence (``recipes.finetune``) once, on tiny-llama; ``recipe=sft`` with LoRA."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM
 
 from fastdecode.config import CONFIG_DIR, ConfigError
-from fastdecode.loading import load_model
-from fastdecode_recipes.common import TrainJob, load_job
-from fastdecode_recipes.finetune import FinetuneRun, Recipe, finetune
-from fastdecode_recipes.sft import SFT
+from fastdecode.runtime.loading import load_model
+from recipes.common import TrainJob, load_job
+from recipes.finetune import FinetuneRun, Recipe, finetune
+from recipes.sft import SFT
 from tests.helpers import write_chat_jsonl
 
 
@@ -135,19 +135,19 @@ def test_sft_with_lora_trains_only_the_lora_weights_and_exports_the_merged_model
 
 
 def test_sft_checks_the_deepspeed_batch_before_loading(tmp_path, monkeypatch):
-    import fastdecode_recipes
+    import recipes
 
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"train_batch_size": 999, "zero_optimization": {"stage": 2}}))
     _, cfg = _job(tmp_path, f"deepspeed.config_file={bad}")
-    monkeypatch.setattr("fastdecode_recipes.finetune.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr("recipes.finetune.load_model", lambda *a, **k: pytest.fail("model loaded"))
     with pytest.raises(ConfigError, match=r"train_batch_size=999 but micro batch"):
-        fastdecode_recipes.run(cfg)
+        recipes.run(cfg)
 
 
 def test_the_closing_metrics_are_text_with_the_machine_beside_the_rates():
-    from fastdecode.machine import machine_label
-    from fastdecode_recipes.finetune import metrics_text
+    from fastdecode.runtime.machine import machine_label
+    from recipes.finetune import metrics_text
 
     metrics = {"train_runtime": 96.2, "train_samples_per_second": 0.665, "train_steps_per_second": 0.2}
     metrics |= {"total_flos": 1e12, "train_loss": 2.3123, "eval_loss": 2.45}

@@ -13,9 +13,10 @@ import torch
 from cllm_train.throughput import reference_trajectories
 from cllm_train.trajectories import Prompt
 from fastdecode.config import ConfigError
-from fastdecode.decoding import DECODERS, DecodeConfig, JacobiOptions
 from fastdecode.decoding.common import prefill
+from fastdecode.decoding.config import DecodeConfig
 from fastdecode.jacobi import (
+    JacobiOptions,
     JacobiSolver,
     count_stationary,
     first_mismatch,
@@ -23,7 +24,8 @@ from fastdecode.jacobi import (
     row_generator,
     solve_block,
 )
-from fastdecode.model import EarlyExitModel
+from fastdecode.registry import DECODERS
+from fastdecode.runtime.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.helpers import lively_model, random_prompts, redraw_matrices, tiny_model
 

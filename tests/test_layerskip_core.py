@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastdecode.cache import attention_mask
 from fastdecode.config import ConfigError
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.cache import attention_mask
+from fastdecode.runtime.model import EarlyExitModel
 from layerskip_train.early_exit_loss import (
     SelfDistill,
     active_exits,
@@ -436,8 +436,8 @@ _DDP_SCRIPT = """
 import torch, torch.distributed as dist
 from torch import nn
 from fastdecode.config import ModelConfig, load_group
-from fastdecode.loading import load_model
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.loading import load_model
+from fastdecode.runtime.model import EarlyExitModel
 from layerskip_train.early_exit_loss import early_exit_loss
 from layerskip_train.layer_dropout import run_with_layer_dropout
 

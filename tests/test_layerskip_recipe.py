@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-import fastdecode_recipes
+import recipes
 from fastdecode.config import ConfigError
 from tests.job_configs import layerskip_cfg
 
@@ -20,19 +20,19 @@ def _history(run: Path, step: int) -> list[dict]:
 
 
 def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path, capsys):
-    summary = fastdecode_recipes.run(
+    summary = recipes.run(
         layerskip_cfg(tmp_path, "recipe.exit_layer=2", "recipe.draft_vocab_size=8")
     )
     printed = capsys.readouterr().out
     # The closing lines: a small table and one sentence naming what auto runs and the machine, no raw dict.
-    from fastdecode.machine import machine_label
+    from fastdecode.runtime.machine import machine_label
 
     header = "| decoder | drafter | exit | recorded acceptance | expected | measured | tok/s |"
     closing = printed[printed.index(header) :].strip().splitlines()  # the last thing the run prints
     assert closing[-1].startswith("auto runs prompt_lookup") and f"{machine_label()})" in closing[-1]
     assert all(line.startswith("| ") for line in closing[:-1]) and "{" not in "".join(closing)
     # The checkpoint carries its own record: every exit but the last, full head and draft vocabulary.
-    from fastdecode.acceptance import read_record
+    from fastdecode.plan.acceptance import read_record
 
     record = read_record(summary["checkpoint"])
     assert {(d.exit_layer, d.draft_vocab) for d in record.find("exit")} == {
@@ -108,7 +108,7 @@ def _library_generates(checkpoint: str) -> None:
 
 def test_opting_in_writes_the_exit_into_generation_config(tmp_path):
     """``recipe.export.hf_assistant_early_exit=true``: plain ``generate()`` self-speculates, losslessly."""
-    summary = fastdecode_recipes.run(
+    summary = recipes.run(
         layerskip_cfg(
             tmp_path,
             "recipe.exit_layer=2",
@@ -134,14 +134,14 @@ def test_opting_in_writes_the_exit_into_generation_config(tmp_path):
 @pytest.mark.parametrize("useful", [True, False])
 def test_the_exit_choice_from_the_report_goes_into_the_sidecar(tmp_path, monkeypatch, caplog, useful):
     import layerskip_train.recipe as recipe
-    from fastdecode.machine import machine_label
+    from fastdecode.runtime.machine import machine_label
 
     found = {"exit": 3, "draft": 1, "expected_speedup": 0.78}  # what choose_exit returns when none pays
     fake = {"exit": 3, "draft": 2, "expected_speedup": 1.4} if useful else {"exit": None, "draft": 0}
     fake |= {"costs": "measured"} | ({} if useful else {"expected_speedup": 1.0, "best_found": found})
     monkeypatch.setattr(recipe, "choose_exit", lambda agreement, costs, **kw: dict(fake))
     with caplog.at_level("INFO", logger="layerskip_train.recipe"):
-        summary = fastdecode_recipes.run(layerskip_cfg(tmp_path))
+        summary = recipes.run(layerskip_cfg(tmp_path))
     saved = json.loads((Path(summary["checkpoint"]) / "fastdecode.json").read_text())["exit_layer"]
     assert saved == fake["exit"] == summary["recommended_exit"]["exit"]  # None: no exit recorded
     assert GenerationConfig.from_pretrained(summary["checkpoint"]).assistant_early_exit is None
@@ -161,9 +161,9 @@ def test_the_exit_choice_from_the_report_goes_into_the_sidecar(tmp_path, monkeyp
 def test_the_training_log_lists_the_exits_in_order(tmp_path):
     """A log spanning two steps of the strided curriculum (exit 1, then exit 2; the last always) lists
     loss/exit_E in increasing E, as the Trainer prints it, not in the order the curriculum trained them."""
-    from fastdecode_recipes.common import load_job
-    from fastdecode_recipes.finetune import finetune
     from layerskip_train.recipe import LayerSkip
+    from recipes.common import load_job
+    from recipes.finetune import finetune
 
     cfg = layerskip_cfg(tmp_path, "recipe.report.enabled=false", "trainer.logging_steps=2")
     job = load_job(cfg)
@@ -183,7 +183,7 @@ def test_resume_repeats_the_same_losses(tmp_path, monkeypatch, curriculum):
     """N steps straight == N/2, crash, resume, N/2: same drops, same curriculum, same data order."""
     straight = tmp_path / "straight"
     straight.mkdir()
-    fastdecode_recipes.run(layerskip_cfg(straight, "recipe.report.enabled=false", *curriculum))
+    recipes.run(layerskip_cfg(straight, "recipe.report.enabled=false", *curriculum))
     history = _history(straight / "run", 4)
     expected = [round(h["loss"], 5) for h in history]
     expected_exits = [sorted(k for k in h if k.startswith("loss/exit_")) for h in history]
@@ -208,9 +208,9 @@ def test_resume_repeats_the_same_losses(tmp_path, monkeypatch, curriculum):
 
     monkeypatch.setattr(LayerSkipTrainer, "training_step", crash_after_checkpoint)
     with pytest.raises(KeyboardInterrupt):
-        fastdecode_recipes.run(layerskip_cfg(crashed, "recipe.report.enabled=false", *curriculum))
+        recipes.run(layerskip_cfg(crashed, "recipe.report.enabled=false", *curriculum))
     monkeypatch.setattr(LayerSkipTrainer, "training_step", original)
-    fastdecode_recipes.run(
+    recipes.run(
         layerskip_cfg(crashed, "recipe.report.enabled=false", "resume_from_checkpoint=auto", *curriculum)
     )
     resumed_history = _history(crashed / "run", 4)
@@ -219,14 +219,14 @@ def test_resume_repeats_the_same_losses(tmp_path, monkeypatch, curriculum):
 
 
 def test_lora_adapters_train_merge_and_reload(tmp_path):
-    summary = fastdecode_recipes.run(
+    summary = recipes.run(
         layerskip_cfg(tmp_path, "peft=lora", "peft.r=4", "trainer.learning_rate=1e-2")
     )
     assert summary["export_check"]["abs_diff"] < 1e-4  # merged weights reproduce the live LoRA model
     merged = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
     assert not any("lora" in name for name, _ in merged.named_parameters())
     from fastdecode.config import ModelConfig, load_group
-    from fastdecode.loading import load_model
+    from fastdecode.runtime.loading import load_model
 
     base, _ = load_model(load_group("model", "tiny-llama", ModelConfig))
     changed = [
@@ -253,18 +253,18 @@ def test_lora_adapters_train_merge_and_reload(tmp_path):
 )
 def test_bad_recipe_config_fails_before_training(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
-        fastdecode_recipes.run(layerskip_cfg(tmp_path, override))
+        recipes.run(layerskip_cfg(tmp_path, override))
     assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 
 def test_deepspeed_batch_arithmetic_is_checked_before_loading(tmp_path, monkeypatch):
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"train_batch_size": 999, "zero_optimization": {"stage": 2}}))
-    monkeypatch.setattr("fastdecode.loading.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr("fastdecode.runtime.loading.load_model", lambda *a, **k: pytest.fail("model loaded"))
     with pytest.raises(
         ConfigError, match=r"train_batch_size=999 but micro batch 4 x gradient accumulation 1"
     ):
-        fastdecode_recipes.run(layerskip_cfg(tmp_path, f"deepspeed.config_file={bad}"))
+        recipes.run(layerskip_cfg(tmp_path, f"deepspeed.config_file={bad}"))
 
 
 def test_activation_checkpointing_gives_the_same_losses(tmp_path):
@@ -272,8 +272,8 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path):
     ckpt = tmp_path / "ckpt"
     plain.mkdir()
     ckpt.mkdir()
-    fastdecode_recipes.run(layerskip_cfg(plain, "recipe.report.enabled=false"))
-    fastdecode_recipes.run(
+    recipes.run(layerskip_cfg(plain, "recipe.report.enabled=false"))
+    recipes.run(
         layerskip_cfg(ckpt, "recipe.report.enabled=false", "+trainer.activation_checkpointing=true")
     )
     losses = [[round(h["loss"], 4) for h in _history(p / "run", 4)] for p in (plain, ckpt)]
@@ -285,7 +285,7 @@ def test_wandb_without_credentials_logs_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    summary = fastdecode_recipes.run(
+    summary = recipes.run(
         layerskip_cfg(tmp_path, "recipe.report.enabled=false", "trainer.report_to=wandb")
     )
     import os
@@ -300,7 +300,7 @@ def test_activation_checkpointing_really_recomputes_blocks():
     import copy
 
     from fastdecode.config import ModelConfig, load_group
-    from fastdecode.loading import load_model
+    from fastdecode.runtime.loading import load_model
     from layerskip_train.config import LayerSkipConfig
     from layerskip_train.module import EarlyExitLM
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.checkpoint_info import write_sidecar
 from fastdecode.config import ConfigError
-from fastdecode.decoding import DECODERS
-from fastdecode.draft_vocab_file import save_draft_vocab
+from fastdecode.files.checkpoint_info import write_sidecar
+from fastdecode.files.draft_vocab_file import save_draft_vocab
+from fastdecode.registry import DECODERS
 from fastdecode.skipdecode import SkipOptions, SkipPolicyMismatchError
 from tests.helpers import assert_drafted_and_accepted, tiny_model
 
@@ -219,7 +219,7 @@ def test_skipdecode_keeps_to_the_policy_the_checkpoint_was_trained_with(checkpoi
 
 
 def write_acceptance(directory: Path, entries: list[dict]) -> None:
-    """``acceptance.json`` as the LayerSkip recipe writes it into ``final/`` (fastdecode/acceptance.py)."""
+    """``acceptance.json`` as the LayerSkip recipe writes it into ``final/`` (fastdecode/plan/acceptance.py)."""
     body = {"format": 1, "measured_on": "test", "tokens": 100, "drafters": entries}
     (directory / "acceptance.json").write_text(json.dumps(body))
 
@@ -250,7 +250,7 @@ def test_auto_runs_exactly_the_drafter_it_priced(checkpoint_dir, tmp_path, monke
     that is what the plan priced. Every option the candidate carries is the call's."""
     import shutil
 
-    import fastdecode.decoding.self_speculative as self_speculative
+    import fastdecode.drafters.exits.kind as self_speculative
 
     seen = []  # the draft head each exit proposer was built with
     real = self_speculative.ExitProposer
@@ -281,7 +281,7 @@ def test_a_checkpoint_carries_its_own_record(checkpoint_dir, tmp_path):
     does not borrow the final model's, and a damaged one is refused by name before the weights load."""
     import shutil
 
-    from fastdecode.acceptance import RecordError
+    from fastdecode.plan.acceptance import RecordError
 
     run = tmp_path / "run"
     shutil.copytree(checkpoint_dir, run / "final")
@@ -332,7 +332,7 @@ def test_a_recorded_exit_that_is_no_layer_is_refused_before_the_weights_load(
     """``fastdecode.json``'s exit_layer must be an int in [1, L - 1] of the checkpoint's config.json (4 layers)."""
     import shutil
 
-    from fastdecode.checkpoint import CheckpointError
+    from fastdecode.files.checkpoint import CheckpointError
 
     final = tmp_path / "final"
     shutil.copytree(checkpoint_dir, final)

@@ -1,4 +1,4 @@
-"""Prompt lookup as a token tree (fastdecode/decoding/lookup_tree.py) against brute-force searches on random
+"""Prompt lookup as a token tree (fastdecode/drafters/lookup/tree.py) against brute-force searches on random
 texts: the occurrences kept, the merged trie (parents first, siblings distinct, every continuation a path,
 weights), the EOS cut, the best-first nodes, the batch's node budget; one occurrence drafts the chain; the
 ``prompt_lookup`` decoder with a tree is lossless; the decoders that cannot draft a tree refuse it."""
@@ -12,10 +12,13 @@ import pytest
 import torch
 
 from fastdecode.config import ConfigError
-from fastdecode.cost import CostModel, best_node_budget, estimate_costs
-from fastdecode.decoding import DECODERS, POLICIES, DecodeConfig, LookupOptions
 from fastdecode.decoding.common import Rows
-from fastdecode.decoding.lookup_tree import (
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.decoding.policies import POLICIES
+from fastdecode.decoding.speculative import Round, Settled
+from fastdecode.drafters.lookup.ngram import PromptLookupProposer
+from fastdecode.drafters.lookup.options import LookupOptions
+from fastdecode.drafters.lookup.tree import (
     LookupTree,
     OccurrenceIndex,
     TreeLookupProposer,
@@ -24,8 +27,8 @@ from fastdecode.decoding.lookup_tree import (
     merge,
     vote,
 )
-from fastdecode.decoding.ngram import PromptLookupProposer
-from fastdecode.decoding.speculative import Round, Settled
+from fastdecode.plan.cost import CostModel, best_node_budget, estimate_costs
+from fastdecode.registry import DECODERS
 from tests.helpers import (
     assert_drafted_and_accepted,
     exact_joint,
@@ -190,7 +193,7 @@ def test_one_occurrence_drafts_what_the_chain_drafts():
         prompts = [[t + 10 for t in chunk * 3] for chunk in chunks[:3]]
         rows = [p[-rng.randint(1, 3) :] for p in prompts]
         policy = rng.choice(["constant", "adaptive"])
-        cfg = DecodeConfig(max_new_tokens=50, eos_token_id=10, lookup=LookupOptions(occurrences=1, tree=True))
+        cfg = DecodeConfig(max_new_tokens=50, eos_token_id=10).with_options(LookupOptions(occurrences=1, tree=True))
         chain = PromptLookupProposer(prompts, cfg, CPU_LIKE, m.vocab_size)
         tree = TreeLookupProposer(prompts, cfg, CPU_LIKE, m.vocab_size)
         for proposer in (chain, tree):
@@ -204,7 +207,7 @@ def test_one_occurrence_drafts_what_the_chain_drafts():
 def test_the_draft_is_a_tree_with_padding_off_the_last_token_and_learns_its_paths():
     m = lively_model("tiny-llama")
     prompts, rows = [[5, 6, 7, 8, 5, 6, 9, 3, 5, 6, 7, 4], [20, 21, 22]], [[5, 6], [23]]
-    cfg = DecodeConfig(max_new_tokens=50, lookup=LookupOptions(max_ngram_size=2, tree=True))
+    cfg = DecodeConfig(max_new_tokens=50).with_options(LookupOptions(max_ngram_size=2, tree=True))
     proposer = TreeLookupProposer(prompts, cfg, estimate_costs(m), m.vocab_size)
     proposer.policy = POLICIES["constant"](4)
     draft = proposer.propose(lookup_round(rows, 4))
@@ -223,12 +226,12 @@ def test_the_draft_is_a_tree_with_padding_off_the_last_token_and_learns_its_path
 
 def test_the_prompt_lookup_decoder_with_a_tree_is_lossless(monkeypatch):
     branched = branching_spy(monkeypatch)
-    monkeypatch.setattr("fastdecode.decoding.drafters.cost_model", lambda m, source, batch=1: CPU_LIKE)
+    monkeypatch.setattr("fastdecode.decoding.kinds.cost_model", lambda m, source, batch=1: CPU_LIKE)
     m = lively_model("tiny-llama", 0.1)
     prompts = [p + p[:5] + p for p in random_prompts(3, seed=71)]
     for policy in ("constant", "adaptive"):
         lookup = LookupOptions(tree=True, shorter=policy == "adaptive")
-        cfg = DecodeConfig(max_new_tokens=24, draft_tokens=4, policy=policy, lookup=lookup)
+        cfg = DecodeConfig(max_new_tokens=24, draft_tokens=4, policy=policy).with_options(lookup)
         out = DECODERS["prompt_lookup"](m, prompts, cfg)
         assert out.tokens == autoregressive(m, prompts, cfg).tokens
         assert sum(out.drafted) > 0
@@ -258,7 +261,7 @@ def test_sampling_over_lookup_trees_stays_lossless(monkeypatch):
     m = tiny_vocab_model()
     prompt = [3, 1, 4, 1, 5, 3, 1, 4, 1, 5, 3, 1, 4]
     cfg = DecodeConfig(max_new_tokens=4, temperature=1.0, draft_tokens=3, seed=1, costs="estimated")
-    cfg = replace(cfg, policy="constant", lookup=LookupOptions(tree=True))
+    cfg = replace(cfg.with_options(LookupOptions(tree=True)), policy="constant")
     joint = exact_joint(m, prompt, 4, cfg)
     out = DECODERS["prompt_lookup"](m, [prompt] * 4000, cfg)
     assert_drafted_and_accepted(out)
@@ -268,7 +271,7 @@ def test_sampling_over_lookup_trees_stays_lossless(monkeypatch):
 
 def test_decoders_that_draft_chains_refuse_a_tree():
     m = lively_model("tiny-llama")
-    cfg = DecodeConfig(max_new_tokens=4, lookup=LookupOptions(tree=True))
+    cfg = DecodeConfig(max_new_tokens=4).with_options(LookupOptions(tree=True))
     with pytest.raises(ConfigError, match="decoder 'lookahead' drafts lookup chains only"):
         DECODERS["lookahead"](m, [[1, 2, 3]], cfg)
     with pytest.raises(ConfigError, match="'self_speculative' with decoder.chain=true drafts lookup chains"):

@@ -1,4 +1,4 @@
-"""EarlyExitModel (the model seam, fastdecode/model.py) must reproduce HF's own forward for every supported
+"""EarlyExitModel (the model seam, fastdecode/runtime/model.py) must reproduce HF's own forward for every supported
 family (fp32, tiny random models)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fastdecode.config import ConfigError, ModelConfig, load_group
-from fastdecode.families import FAMILIES
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.families import FAMILIES
+from fastdecode.runtime.model import EarlyExitModel
 from tests.conftest import TINY_MODELS
 
 TOL = 1e-5
@@ -20,7 +20,7 @@ def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
 
 
 def _hf_final_norm(model):
-    """HF's own final norm module, looked up here independently of fastdecode.families.FAMILIES: the decoder's
+    """HF's own final norm module, looked up here independently of fastdecode.runtime.families.FAMILIES: the decoder's
     ``norm`` (Llama-style) or ``final_layer_norm`` (OPT-style)."""
     decoder = model.get_decoder()
     return decoder.norm if hasattr(decoder, "norm") else decoder.final_layer_norm

@@ -1,4 +1,4 @@
-"""``fastdecode.progress.phase``: a start and an end line in the log, and without a terminal, rate-limited
+"""``fastdecode.runtime.progress.phase``: a start and an end line in the log, and without a terminal, rate-limited
 lines saying how far a phase is."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import logging
 
 import pytest
 
-import fastdecode.progress
-from fastdecode.progress import human_seconds, phase
+import fastdecode.runtime.progress
+from fastdecode.runtime.progress import human_seconds, phase
 
 
 def test_a_phase_logs_its_start_its_progress_and_its_duration(caplog, monkeypatch):
-    monkeypatch.setattr(fastdecode.progress, "LOG_EVERY", 0.0)  # every update may log (no terminal here)
-    with caplog.at_level(logging.INFO, logger="fastdecode.progress"):
+    monkeypatch.setattr(fastdecode.runtime.progress, "LOG_EVERY", 0.0)  # every update may log (no terminal here)
+    with caplog.at_level(logging.INFO, logger="fastdecode.runtime.progress"):
         with phase("scoring", "3 examples", total=3, unit="example") as progress:
             for _ in range(3):
                 progress.update()
@@ -24,7 +24,7 @@ def test_a_phase_logs_its_start_its_progress_and_its_duration(caplog, monkeypatc
 
 
 def test_without_a_terminal_progress_lines_are_rate_limited(caplog):
-    with caplog.at_level(logging.INFO, logger="fastdecode.progress"):
+    with caplog.at_level(logging.INFO, logger="fastdecode.runtime.progress"):
         with phase("scoring", total=100) as progress:
             for _ in range(100):
                 progress.update()
@@ -32,7 +32,7 @@ def test_without_a_terminal_progress_lines_are_rate_limited(caplog):
 
 
 def test_a_failed_phase_logs_no_end_line(caplog):
-    with caplog.at_level(logging.INFO, logger="fastdecode.progress"), pytest.raises(RuntimeError):
+    with caplog.at_level(logging.INFO, logger="fastdecode.runtime.progress"), pytest.raises(RuntimeError):
         with phase("scoring"):
             raise RuntimeError("boom")
     assert [r.getMessage() for r in caplog.records] == ["scoring: started"]

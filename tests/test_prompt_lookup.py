@@ -1,4 +1,4 @@
-"""Prompt lookup's semantics (fastdecode/decoding/ngram.py's NgramIndex: the most recent or the earliest
+"""Prompt lookup's semantics (fastdecode/drafters/lookup/ngram.py's NgramIndex: the most recent or the earliest
 occurrence, where EOS cuts) against a brute-force search, and the replay that chose them
 (fastdecode/bench/lookup_replay.py): its rounds are the ``prompt_lookup`` decoder's, round for round."""
 
@@ -13,10 +13,12 @@ from hydra import compose, initialize_config_dir
 
 from fastdecode.bench.lookup_replay import Variant, replay
 from fastdecode.config import CONFIG_DIR, ConfigError
-from fastdecode.cost import CostModel
-from fastdecode.decoding import DECODERS, DecodeConfig, LookupOptions
-from fastdecode.decoding.ngram import NgramIndex
-from fastdecode.model import EarlyExitModel
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.drafters.lookup.ngram import NgramIndex
+from fastdecode.drafters.lookup.options import LookupOptions
+from fastdecode.plan.cost import CostModel
+from fastdecode.registry import DECODERS
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode_cli.lookup_replay import run
 from tests.helpers import lively_model, random_prompts, tiny_model, write_chat_jsonl
 
@@ -98,7 +100,7 @@ def test_the_replay_drafts_accepts_and_rounds_as_the_decoder(policy, variant, mo
     """The decoder and the replay share one cost model object (so the adaptive cut is the same); prompts that
     repeat themselves, answers with an EOS in them; alone and as a batch (answers
     twice the budget: a row may draft up to the longest row's remaining tokens)."""
-    monkeypatch.setattr("fastdecode.decoding.drafters.cost_model", lambda m, source, batch=1: CPU_LIKE)
+    monkeypatch.setattr("fastdecode.decoding.kinds.cost_model", lambda m, source, batch=1: CPU_LIKE)
     total = 0
     for m in (EarlyExitModel(tiny_model("tiny-llama")[0]), lively_model("tiny-llama", 0.1)):
         prompts = [p + p[:5] + p for p in random_prompts(5, seed=70)]
@@ -167,7 +169,7 @@ def test_the_command_caches_answers_resumes_and_reports_every_variant(tmp_path, 
     again = json.loads((tmp_path / "answers.json").read_text())["records"]
     assert len(again) == 5 and again[:3] == first
     # With every answer and the costs cached, the replay needs no model.
-    monkeypatch.setattr("fastdecode.loading.load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr("fastdecode.runtime.loading.load_model", lambda *a, **k: pytest.fail("loaded the model"))
     assert run(_job(tmp_path, "num_prompts=4"))[2:] != []
 
 

@@ -12,16 +12,20 @@ import pytest
 import torch
 
 from fastdecode.config import ConfigError
-from fastdecode.cost import CostModel, block_parameters, estimate_costs, exit_draft_cost
-from fastdecode.decoding import DECODERS, POLICIES, PROPOSERS, DecodeConfig, LookupOptions
 from fastdecode.decoding.chain import ChainProposer
-from fastdecode.decoding.lookahead import LookaheadProposer
-from fastdecode.decoding.ngram import NgramIndex, PromptLookupProposer
-from fastdecode.decoding.proposers import DraftModelProposer, ExitProposer
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.decoding.policies import POLICIES
 from fastdecode.decoding.speculative import Draft, Settled, Verdict
-from fastdecode.draft_vocab_file import save_draft_vocab
-from fastdecode.exit_adapter import save_adapter
-from fastdecode.model import EarlyExitModel
+from fastdecode.drafters.draft_model.proposer import DraftModelProposer
+from fastdecode.drafters.exits.adapter import save_adapter
+from fastdecode.drafters.exits.proposer import ExitProposer
+from fastdecode.drafters.lookup.lookahead import LookaheadProposer
+from fastdecode.drafters.lookup.ngram import NgramIndex, PromptLookupProposer
+from fastdecode.drafters.lookup.options import LookupOptions
+from fastdecode.files.draft_vocab_file import save_draft_vocab
+from fastdecode.plan.cost import CostModel, block_parameters, estimate_costs, exit_draft_cost
+from fastdecode.registry import DECODERS, PROPOSERS
+from fastdecode.runtime.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.helpers import (
     assert_drafted_and_accepted,
@@ -78,9 +82,7 @@ def _round(rows_tokens, prompts, limit):
 
 def test_prompt_lookup_drafts_per_row_cuts_at_eos_and_learns_what_pays():
     m = lively_model("tiny-llama")
-    cfg = DecodeConfig(
-        max_new_tokens=50, eos_token_id=99, lookup=LookupOptions(max_ngram_size=2, eos="after")
-    )
+    cfg = DecodeConfig(max_new_tokens=50, eos_token_id=99).with_options(LookupOptions(max_ngram_size=2, eos="after"))
     costs = estimate_costs(m)
     prompts = [[10, 11, 12, 99, 13, 14], [20, 21, 22]]
     proposer = PromptLookupProposer(prompts, cfg, costs, m.vocab_size)
@@ -88,7 +90,7 @@ def test_prompt_lookup_drafts_per_row_cuts_at_eos_and_learns_what_pays():
     draft = proposer.propose(_round([[10, 11], [5]], prompts, 4))
     # Row 0: "10 11" occurred before, followed by 12, 99 (EOS: the draft stops there); row 1: no match.
     assert draft.lengths == [2, 0] and draft.tokens[0, :2].tolist() == [12, 99]
-    default = PromptLookupProposer(prompts, replace(cfg, lookup=LookupOptions(max_ngram_size=2)), costs, 261)
+    default = PromptLookupProposer(prompts, cfg.with_options(LookupOptions(max_ngram_size=2)), costs, 261)
     default.policy = POLICIES["constant"](4)
     assert default.propose(_round([[10, 11], [5]], prompts, 4)).lengths == [1, 0]  # cut before the EOS
     assert proposer.token_cost() == 0.0 and proposer.vocab is None and proposer.depth == 0
@@ -179,11 +181,11 @@ N_GRAM_DECODERS = {
     "lookahead": ("lookahead", {}),
     "chain_exit": (
         "self_speculative",
-        {"exit_layer": 2, "chain": True, "lookup": LookupOptions(fallback_trial=0)},
+        {"exit_layer": 2, "chain": True, "groups": {"lookup": LookupOptions(fallback_trial=0)}},
     ),
     "chain_exit_retiring": (
         "self_speculative",
-        {"exit_layer": 2, "chain": True, "lookup": LookupOptions(fallback_trial=2)},
+        {"exit_layer": 2, "chain": True, "groups": {"lookup": LookupOptions(fallback_trial=2)}},
     ),
 }
 
@@ -284,8 +286,8 @@ def test_a_chain_retires_a_fallback_that_does_not_pay_on_the_text():
     prompts = random_prompts(2, seed=53)
     base = DecodeConfig(max_new_tokens=40, exit_layer=1, chain=True, draft_tokens=3, costs="estimated")
     ref = autoregressive(m, prompts, DecodeConfig(max_new_tokens=40)).tokens
-    kept = DECODERS["self_speculative"](m, prompts, replace(base, lookup=NEVER_RETIRED))
-    retired = DECODERS["self_speculative"](m, prompts, replace(base, lookup=LookupOptions(fallback_trial=4)))
+    kept = DECODERS["self_speculative"](m, prompts, base.with_options(NEVER_RETIRED))
+    retired = DECODERS["self_speculative"](m, prompts, base.with_options(LookupOptions(fallback_trial=4)))
     assert kept.tokens == ref and retired.tokens == ref
     exit_kept, exit_retired = kept.by_proposer["exit"], retired.by_proposer["exit"]
     assert exit_kept[0] / exit_kept[1] < 0.3  # the premise: its drafts rarely land
@@ -322,8 +324,8 @@ def test_the_chain_judges_the_fallback_by_the_cost_model():
         ("prompt_lookup", {"policy": "constant"}),
         ("prompt_lookup", {"policy": "adaptive", "top_k": 4}),
         ("lookahead", {"policy": "constant"}),
-        ("self_speculative", {"exit_layer": 1, "chain": True, "policy": "constant", "lookup": NEVER_RETIRED}),
-        ("self_speculative", {"exit_layer": 1, "chain": True, "lookup": LookupOptions(fallback_trial=1)}),
+        ("self_speculative", {"exit_layer": 1, "chain": True, "policy": "constant", "groups": {"lookup": NEVER_RETIRED}}),
+        ("self_speculative", {"exit_layer": 1, "chain": True, "groups": {"lookup": LookupOptions(fallback_trial=1)}}),
     ],
     ids=["lookup", "lookup-adaptive-topk", "lookahead", "chain", "chain-retired"],
 )
@@ -362,7 +364,7 @@ def test_ngram_decoders_refuse_what_they_cannot_do():
 
 
 # --------------------------------------------------------------------------------------------------------
-# Lookahead's Jacobi pool (fastdecode/decoding/lookahead.py)
+# Lookahead's Jacobi pool (fastdecode/drafters/lookup/lookahead.py)
 def test_the_lookahead_pool_keeps_the_verifiers_trajectory_and_drafts_from_it():
     """After a verification of [t, d1..d4] that accepted one draft, the pool holds, keyed by each token of the
     verifier's predictions from the correction on, the predictions that follow it; a row with no lookup match

@@ -12,8 +12,9 @@ from fastdecode.data.chat import user_prompt_ids
 from fastdecode.data.config import DataConfig
 from fastdecode.data.sources import read_records
 from fastdecode.data.splits import split_records
-from fastdecode.decoding import DecodeConfig, get_decoder
-from fastdecode.model import EarlyExitModel
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.registry import get_decoder
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode_cli.regenerate import run
 from tests.helpers import second_eos_loader, tiny_model, write_chat_jsonl
 
@@ -67,11 +68,11 @@ def test_benchmarks_are_refused(tmp_path):
 def test_a_second_eos_of_the_generation_config_ends_the_answers(tmp_path, monkeypatch):
     """The model's generation config declares a second EOS id (``fastdecode.tokens.eos_ids``): every answer
     stops there (the tokenizer's EOS alone would run on for max_new_tokens=6)."""
-    import fastdecode.loading
+    import fastdecode.runtime.loading
 
     declared: list[int] = []
     monkeypatch.setattr(
-        fastdecode.loading, "load_model", second_eos_loader(fastdecode.loading.load_model, declared)
+        fastdecode.runtime.loading, "load_model", second_eos_loader(fastdecode.runtime.loading.load_model, declared)
     )
     run(_cfg(tmp_path, "num_prompts=4"))
     tokenizer = tiny_model("tiny-llama")[1]

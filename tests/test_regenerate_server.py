@@ -14,13 +14,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from hydra import compose, initialize_config_dir
 
-import fastdecode.loading
+import fastdecode.runtime.loading
 import fastdecode_cli.regenerate
 from fastdecode.config import CONFIG_DIR, ConfigError, load_group
 from fastdecode.data.chat import training_prompts, user_prompt_text
 from fastdecode.data.config import DataConfig
 from fastdecode.data.openai_client import ServerError
-from fastdecode.tokenizer import byte_tokenizer
+from fastdecode.runtime.tokenizer import byte_tokenizer
 from fastdecode_cli.regenerate import run
 from tests.helpers import free_port, write_chat_jsonl
 
@@ -210,7 +210,7 @@ def no_tokenizer(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the tokenizer loaded before the server was checked")
 
-    monkeypatch.setattr(fastdecode.loading, "load_tokenizer", refuse)
+    monkeypatch.setattr(fastdecode.runtime.loading, "load_tokenizer", refuse)
 
 
 def test_an_unreachable_url_is_named_before_any_work(tmp_path, no_tokenizer):

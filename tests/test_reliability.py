@@ -21,11 +21,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
-import fastdecode_recipes
-from fastdecode.checkpoint import MANIFEST, CheckpointError, check_checkpoint, write_manifest
+import recipes
 from fastdecode.config import CONFIG_DIR, ConfigError
-from fastdecode.io import atomic_directory
-from fastdecode_recipes.resume import checkpoint_problem, latest_complete_checkpoint, resolve_resume
+from fastdecode.files.checkpoint import MANIFEST, CheckpointError, check_checkpoint, write_manifest
+from fastdecode.files.io import atomic_directory
+from recipes.resume import checkpoint_problem, latest_complete_checkpoint, resolve_resume
 from tests.fake_assets import fake_asset, fake_conversion, make_wheel, pip_env, pypi_model_cfg, sha256_of
 from tests.helpers import sharegpt_conversation, tiny_model
 from tests.job_configs import collect_cfg, layerskip_cfg, speed_cfg, train_cfg
@@ -53,12 +53,12 @@ def same_weights(a: Path, b: Path) -> bool:
 
 def no_model_load(monkeypatch, *modules: str) -> None:
     """Any weight load in the named recipe modules fails the test: the check must come first. Recipes on the
-    shared sequence load through ``fastdecode_recipes.finetune``, which is patched for them."""
+    shared sequence load through ``recipes.finetune``, which is patched for them."""
     import importlib
 
     for module in modules:
         if not hasattr(importlib.import_module(module), "load_model"):
-            module = "fastdecode_recipes.finetune"
+            module = "recipes.finetune"
         monkeypatch.setattr(f"{module}.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
 
 
@@ -151,7 +151,7 @@ def test_an_explicit_incomplete_checkpoint_is_refused_naming_the_file(tmp_path):
 def test_resume_after_a_kill_inside_a_checkpoint_is_decided_before_the_model_loads(tmp_path, monkeypatch):
     """The Trainer died after writing checkpoint-4's weights: resume from checkpoint-2, same losses."""
     straight = tmp_path / "straight"
-    fastdecode_recipes.run(sft_cfg(straight))
+    recipes.run(sft_cfg(straight))
     from transformers import Trainer
 
     original = Trainer._save_optimizer_and_scheduler
@@ -164,14 +164,14 @@ def test_resume_after_a_kill_inside_a_checkpoint_is_decided_before_the_model_loa
     crashed = tmp_path / "crashed"
     monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", die_in_checkpoint_4)
     with pytest.raises(KeyboardInterrupt):
-        fastdecode_recipes.run(sft_cfg(crashed))
+        recipes.run(sft_cfg(crashed))
     monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", original)
     assert checkpoint_problem(crashed / "run" / "checkpoint-4") is not None
-    resume = fastdecode_recipes.preflight.preflight(
-        fastdecode_recipes.common.load_job(sft_cfg(crashed, "resume_from_checkpoint=auto"))
+    resume = recipes.preflight.preflight(
+        recipes.common.load_job(sft_cfg(crashed, "resume_from_checkpoint=auto"))
     )
     assert resume.resume_from_checkpoint == str(crashed / "run" / "checkpoint-2")
-    fastdecode_recipes.run(sft_cfg(crashed, "resume_from_checkpoint=auto"))
+    recipes.run(sft_cfg(crashed, "resume_from_checkpoint=auto"))
     run, ref = crashed / "run", straight / "run"
     assert losses(run / "checkpoint-4") == losses(ref / "checkpoint-4")
     assert same_weights(run / "final", ref / "final")
@@ -183,14 +183,14 @@ def test_resume_after_a_kill_inside_a_checkpoint_is_decided_before_the_model_loa
 
 def test_a_finished_run_resumes_to_the_same_finished_run(tmp_path):
     """Killed during the export: the resumed run trains nothing (not a step 5 of 4), exports the same weights."""
-    fastdecode_recipes.run(sft_cfg(tmp_path))
+    recipes.run(sft_cfg(tmp_path))
     run = tmp_path / "run"
     reference = tmp_path / "reference-final"
     (run / "final").rename(reference)
     stale = run / ".final.abc.tmp" / "out"  # what a kill during the export leaves behind
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"half")
-    summary = fastdecode_recipes.run(sft_cfg(tmp_path, "resume_from_checkpoint=auto"))
+    summary = recipes.run(sft_cfg(tmp_path, "resume_from_checkpoint=auto"))
     assert summary["metrics"]["train_steps_this_run"] == 0
     assert not (run / "checkpoint-5").exists()
     assert json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
@@ -199,7 +199,7 @@ def test_a_finished_run_resumes_to_the_same_finished_run(tmp_path):
 
 
 def test_final_appears_whole_with_a_manifest_and_umask_permissions(tmp_path):
-    summary = fastdecode_recipes.run(sft_cfg(tmp_path))
+    summary = recipes.run(sft_cfg(tmp_path))
     final = Path(summary["checkpoint"])
     check_checkpoint(final)
     manifest = json.loads((final / MANIFEST).read_text())
@@ -251,8 +251,8 @@ def sharegpt_cfg(wheel: Path):
 
 
 def test_a_damaged_cached_dataset_is_extracted_again(tmp_path, monkeypatch, caplog):
-    from fastdecode.assets import ensure_pypi_file
     from fastdecode.data.sources import read_records
+    from fastdecode.files.assets import ensure_pypi_file
 
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path / "cache"))
     wheel, n = sharegpt_wheel(tmp_path / "house")
@@ -270,7 +270,7 @@ def test_a_damaged_cached_dataset_is_extracted_again(tmp_path, monkeypatch, capl
 
 
 def test_overwritten_bytes_of_a_cached_file_are_found_by_hash_on_request(tmp_path, monkeypatch, caplog):
-    from fastdecode.assets import ensure_pypi_file
+    from fastdecode.files.assets import ensure_pypi_file
 
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path / "cache"))
     wheel, _ = sharegpt_wheel(tmp_path / "house")
@@ -291,8 +291,7 @@ def test_overwritten_bytes_of_a_cached_file_are_found_by_hash_on_request(tmp_pat
 @pytest.fixture
 def converted(tmp_path, monkeypatch):
     """``source=pypi`` whose conversion writes the tiny Llama (counted), in a cache of its own."""
-    from fastdecode import assets
-
+    from fastdecode.files import assets
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("FASTDECODE_VERIFY", raising=False)
     monkeypatch.setattr(assets, "ensure_pypi_file", lambda a: Path("/fake/m.gguf"))
@@ -324,7 +323,7 @@ def _overwrite(path: Path, offset: int, data: bytes) -> None:
     ],
 )
 def test_a_damaged_converted_model_is_converted_again(converted, caplog, damage, why):
-    from fastdecode.loading import load_model
+    from fastdecode.runtime.loading import load_model
 
     damage(converted["dir"])
     with caplog.at_level(logging.WARNING):
@@ -335,7 +334,7 @@ def test_a_damaged_converted_model_is_converted_again(converted, caplog, damage,
 
 
 def test_silently_overwritten_weights_are_found_with_verify(converted, monkeypatch, caplog):
-    from fastdecode.assets import pypi_model_dir
+    from fastdecode.files.assets import pypi_model_dir
 
     weights_file = converted["dir"] / "model.safetensors"
     _overwrite(weights_file, weights_file.stat().st_size - 64, b"\x7f" * 32)  # same size, loads fine
@@ -347,8 +346,8 @@ def test_silently_overwritten_weights_are_found_with_verify(converted, monkeypat
 
 
 def test_a_damaged_model_that_cannot_be_converted_names_the_directory(converted, monkeypatch):
-    from fastdecode import assets
-    from fastdecode.assets import AssetError
+    from fastdecode.files import assets
+    from fastdecode.files.assets import AssetError
 
     (converted["dir"] / "config.json").unlink()
     monkeypatch.setattr(assets, "ensure_pypi_file", lambda a: (_ for _ in ()).throw(AssetError("offline")))
@@ -378,14 +377,14 @@ def test_a_damaged_model_that_cannot_be_converted_names_the_directory(converted,
     ],
 )
 def test_trainer_values_are_typed_before_anything_loads(tmp_path, monkeypatch, overrides, message):
-    no_model_load(monkeypatch, "fastdecode_recipes.sft", "layerskip_train.recipe")
+    no_model_load(monkeypatch, "recipes.sft", "layerskip_train.recipe")
     with pytest.raises(ConfigError, match=message):
-        fastdecode_recipes.run(sft_cfg(tmp_path, *overrides))
+        recipes.run(sft_cfg(tmp_path, *overrides))
     assert not (tmp_path / "run").exists()
 
 
 def test_max_steps_zero_or_less_is_logged_as_training_by_epochs(caplog):
-    from fastdecode_recipes.trainer_args import check_trainer_values
+    from recipes.trainer_args import check_trainer_values
 
     with caplog.at_level(logging.INFO):
         assert check_trainer_values({"max_steps": -1, "num_train_epochs": 2}) == {
@@ -433,14 +432,14 @@ def exported(tmp_path: Path) -> Path:
 def test_an_incomplete_checkpoint_is_named_by_speed_exits_and_loading(tmp_path, monkeypatch, damage, named):
     from fastdecode.bench.config import plan
     from fastdecode.config import ModelConfig
-    from fastdecode.loading import load_model
+    from fastdecode.runtime.loading import load_model
     from fastdecode_cli.exits import run as run_exits
 
     final = exported(tmp_path)
     damage(final)
     with pytest.raises(CheckpointError, match=named):
         plan(speed_cfg("model=tiny-llama", f"checkpoint={final}", "exit_layer=2"))
-    monkeypatch.setattr("fastdecode.loading.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr("fastdecode.runtime.loading.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="exits", overrides=["model=tiny-llama", f"checkpoint={final}"])
     with pytest.raises(CheckpointError, match=named):
@@ -483,7 +482,7 @@ def _edit(final: Path, name: str, text: str | None = None, **values) -> None:
 )
 def test_a_foreign_or_damaged_directory_is_a_checkpoint_error(tmp_path, damage, named):
     from fastdecode.config import ModelConfig
-    from fastdecode.loading import load_model
+    from fastdecode.runtime.loading import load_model
 
     final = exported(tmp_path)
     damage(final)
@@ -504,7 +503,7 @@ def test_a_foreign_or_damaged_directory_is_a_checkpoint_error(tmp_path, damage, 
 def test_what_is_not_the_directorys_fault_keeps_its_type_and_traceback(tmp_path, monkeypatch, raised):
     """Loading a sound directory that fails for another reason (memory, a missing package, a bug) is not
     called a damaged checkpoint: the error propagates as it is."""
-    import fastdecode.loading
+    import fastdecode.runtime.loading
     from fastdecode.config import ModelConfig
 
     class Loader:
@@ -513,9 +512,9 @@ def test_what_is_not_the_directorys_fault_keeps_its_type_and_traceback(tmp_path,
             raise raised
 
     final = exported(tmp_path)
-    monkeypatch.setattr(fastdecode.loading, "AutoModelForCausalLM", Loader)
+    monkeypatch.setattr(fastdecode.runtime.loading, "AutoModelForCausalLM", Loader)
     with pytest.raises(type(raised)) as err:
-        fastdecode.loading.load_model(ModelConfig(name="mine", source="hub", name_or_path=str(final)))
+        fastdecode.runtime.loading.load_model(ModelConfig(name="mine", source="hub", name_or_path=str(final)))
     assert err.value is raised and not isinstance(err.value, CheckpointError)
 
 
@@ -523,19 +522,19 @@ def test_what_is_not_the_directorys_fault_keeps_its_type_and_traceback(tmp_path,
 
 
 def test_a_missing_data_file_and_a_bad_exit_layer_fail_before_the_model_loads(tmp_path, monkeypatch):
-    no_model_load(monkeypatch, "layerskip_train.recipe", "fastdecode_recipes.sft")
+    no_model_load(monkeypatch, "layerskip_train.recipe", "recipes.sft")
     with pytest.raises(ConfigError, match=r"data\.path=/missing/chat\.jsonl is not a file"):
-        fastdecode_recipes.run(sft_cfg(tmp_path, "data.path=/missing/chat.jsonl"))
+        recipes.run(sft_cfg(tmp_path, "data.path=/missing/chat.jsonl"))
     with pytest.raises(ConfigError, match=r"exit_layer=99 must be in \[1, 3\]"):
-        fastdecode_recipes.run(layerskip_cfg(tmp_path, "recipe.exit_layer=99"))
+        recipes.run(layerskip_cfg(tmp_path, "recipe.exit_layer=99"))
 
 
 def test_speed_and_exits_check_exit_layer_and_data_before_loading(tmp_path, monkeypatch):
-    import fastdecode.loading
+    import fastdecode.runtime.loading
     from eval.speed import run as run_speed
     from fastdecode_cli.exits import run as run_exits
 
-    monkeypatch.setattr(fastdecode.loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(fastdecode.runtime.loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     selected = "decoder=[autoregressive,self_speculative,hf_generate]"  # a method that drafts at E
     cfg = speed_cfg("model=tiny-llama", "exit_layer=99", f"output_dir={tmp_path}", "n_prompts=1", selected)
     with pytest.raises(ConfigError, match=r"exit layer 99 must be in \[1, 3\] \(the model has 4 layers\)"):
@@ -560,7 +559,7 @@ def test_speed_and_exits_check_exit_layer_and_data_before_loading(tmp_path, monk
 def test_empty_after_filtering_counts_what_was_read(tmp_path):
     from fastdecode.data.chat import build_datasets
     from fastdecode.data.config import DataConfig
-    from fastdecode.tokenizer import byte_tokenizer
+    from fastdecode.runtime.tokenizer import byte_tokenizer
 
     path = tmp_path / "users.jsonl"
     path.write_text(
@@ -606,7 +605,7 @@ def test_train_help_lists_only_the_groups_train_accepts():
 
 
 def test_a_corrupt_wheelhouse_wheel_is_called_corrupt(tmp_path, monkeypatch):
-    from fastdecode.assets import AssetError, fetch_wheel
+    from fastdecode.files.assets import AssetError, fetch_wheel
 
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path / "cache"))
     house = tmp_path / "house"
@@ -624,7 +623,7 @@ def test_a_corrupt_wheelhouse_wheel_is_called_corrupt(tmp_path, monkeypatch):
 def _hold_lock(path: Path) -> subprocess.Popen:
     """A child process that holds ``path`` with fastdecode's lock until its stdin closes."""
     code = (
-        "import sys; from fastdecode.locks import file_lock\n"
+        "import sys; from fastdecode.files.locks import file_lock\n"
         f"with file_lock({str(path)!r}, 'test'):\n    print('held', flush=True); sys.stdin.read()"
     )
     child = subprocess.Popen(
@@ -637,8 +636,7 @@ def _hold_lock(path: Path) -> subprocess.Popen:
 def test_waiting_on_a_held_conversion_lock_says_who_holds_it(tmp_path, monkeypatch, caplog):
     import threading
 
-    from fastdecode import assets
-
+    from fastdecode.files import assets
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path / "cache"))
     fake_conversion(monkeypatch, [])
     cfg = pypi_model_cfg()
@@ -653,7 +651,7 @@ def test_waiting_on_a_held_conversion_lock_says_who_holds_it(tmp_path, monkeypat
 
 def test_two_collections_into_one_output_dir_are_refused(tmp_path, caplog):
     from cllm_train.collect import run
-    from fastdecode.locks import LockHeld
+    from fastdecode.files.locks import LockHeld
 
     lock = tmp_path / "out" / ".collect.rank0.lock"
     child = _hold_lock(lock)

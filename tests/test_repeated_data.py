@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-import fastdecode_recipes
+import recipes
 from fastdecode.bench.config import plan
 from fastdecode.bench.speed import read_prompt_records, tokenize_prompts
 from fastdecode.config import CONFIG_DIR, ConfigError, to_dataclass
@@ -17,9 +17,9 @@ from fastdecode.data.chat import build_datasets
 from fastdecode.data.config import DataConfig, check_trainable
 from fastdecode.data.repeated import RECORDS, SYSTEM, repeated_records
 from fastdecode.data.sources import load_records
-from fastdecode.tokenizer import byte_tokenizer
-from fastdecode_recipes.common import load_job
-from fastdecode_recipes.preflight import preflight
+from fastdecode.runtime.tokenizer import byte_tokenizer
+from recipes.common import load_job
+from recipes.preflight import preflight
 from tests.job_configs import speed_cfg, train_cfg
 
 KEYS = ["name", "email", "company", "city", "country", "phone", "role", "since"]
@@ -73,7 +73,7 @@ def test_the_config_composes_and_eval_speed_reads_every_request_in_order():
     assert all(SYSTEM in tokenizer.decode(ids) for _, ids in first)  # the system block is in every prompt
 
 
-@pytest.mark.parametrize("recipe", sorted(set(fastdecode_recipes.RECIPES) - {"cllm"}))
+@pytest.mark.parametrize("recipe", sorted(set(recipes.RECIPES) - {"cllm"}))
 def test_no_training_recipe_accepts_the_workload(recipe, tmp_path):
     """CLLM is the exception by design: it trains on trajectories, its data group only feeds a report."""
     with pytest.raises(ConfigError, match="evaluation-only"):

@@ -14,15 +14,18 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM
 
-import fastdecode_recipes
+import recipes
 from fastdecode.config import CONFIG_DIR, ConfigError
-from fastdecode.decoding import DECODERS, DecodeConfig, SkipOptions
 from fastdecode.decoding.autoregressive import step
 from fastdecode.decoding.common import prefill
+from fastdecode.decoding.config import DecodeConfig
 from fastdecode.decoding.skipdecode import policy_from_config
-from fastdecode.model import EarlyExitModel
+from fastdecode.registry import DECODERS
+from fastdecode.reports.skipdecode import lcs_length, rouge_l, skipdecode_quality, split_examples
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.skipdecode import (
     SkipDecodePolicy,
+    SkipOptions,
     SkipPolicyMismatchError,
     policy_hidden,
     read_trained_policy,
@@ -30,7 +33,6 @@ from fastdecode.skipdecode import (
     save_trained_policy,
     trained_options,
 )
-from fastdecode.skipdecode_report import lcs_length, rouge_l, skipdecode_quality, split_examples
 from skipdecode_train.config import SkipDecodeConfig
 from skipdecode_train.module import SkipDecodeLM
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
@@ -307,7 +309,7 @@ def _recipe_cfg(tmp_path, *extra: str):
 
 
 def test_recipe_trains_exports_and_reloads(tmp_path):
-    summary = fastdecode_recipes.run(_recipe_cfg(tmp_path))
+    summary = recipes.run(_recipe_cfg(tmp_path))
     run = tmp_path / "run"
     assert summary["export_check"]["abs_diff"] < 1e-4
     assert (run / "checkpoint-2").is_dir()
@@ -400,7 +402,7 @@ def test_decoding_keeps_to_the_trained_policy():
 )
 def test_bad_recipe_config_fails_before_training(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
-        fastdecode_recipes.run(_recipe_cfg(tmp_path, override))
+        recipes.run(_recipe_cfg(tmp_path, override))
     assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 
@@ -441,7 +443,7 @@ def test_quality_entry_point_keeps_to_the_trained_policy_before_the_model_loads(
     def loaded(*_, **__):
         raise RuntimeError("the model was loaded")
 
-    monkeypatch.setattr("fastdecode.loading.load_model", loaded)
+    monkeypatch.setattr("fastdecode.runtime.loading.load_model", loaded)
     path = save_trained_policy(tmp_path, SkipDecodePolicy(4, 3, 2, 1, max_length=512))
     base = ["model=tiny-llama", f"output_dir={tmp_path / 'out'}", "skip.min_budget=1"]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
@@ -456,13 +458,13 @@ def test_quality_entry_point_keeps_to_the_trained_policy_before_the_model_loads(
 def test_quality_report_stops_at_a_second_eos_of_the_generation_config(tmp_path, monkeypatch):
     """Both decoders of the report stop at every EOS id the model declares (``fastdecode.tokens.eos_ids``), not
     only at the tokenizer's: each row ends at the generation config's second EOS."""
-    import fastdecode.loading
+    import fastdecode.runtime.loading
     from eval.skipdecode_quality import run
     from tests.helpers import second_eos_loader
 
     declared: list[int] = []
     monkeypatch.setattr(
-        fastdecode.loading, "load_model", second_eos_loader(fastdecode.loading.load_model, declared)
+        fastdecode.runtime.loading, "load_model", second_eos_loader(fastdecode.runtime.loading.load_model, declared)
     )
     rows: dict[str, list[list[int]]] = {"skipdecode": [], "autoregressive": []}
 

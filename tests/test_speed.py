@@ -15,7 +15,10 @@ from fastdecode.bench.speed import tokenize_prompts
 from fastdecode.bench.stats import Record, oracle_report, summarise, token_match
 from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
 from fastdecode.data.config import DataConfig
-from fastdecode.decoding import DECODERS, DecodeConfig, DecodeOutput, JacobiOptions, SkipOptions
+from fastdecode.decoding.config import DecodeConfig, DecodeOutput
+from fastdecode.jacobi import JacobiOptions
+from fastdecode.registry import DECODERS
+from fastdecode.skipdecode import SkipOptions
 from tests.eagle3_heads import random_head_dir
 from tests.helpers import lively_model, random_prompts, tiny_llama_adapter, tiny_model
 from tests.job_configs import LIVELY, speed_cfg, tiny_speed_cfg
@@ -106,7 +109,7 @@ def test_end_to_end_on_tiny_llama(tmp_path):
         assert [row["method"] for row in csv.DictReader(f)] == names
     markdown = (out / "speed.md").read_text()
     assert "| hf_early_exit |" in markdown
-    from fastdecode.machine import machine_label
+    from fastdecode.runtime.machine import machine_label
 
     assert f"Measured on {machine_label()} (" in markdown  # the tok/s name the CPU and the threads
     assert saved["meta"]["hardware"]["machine"] == machine_label()
@@ -195,12 +198,12 @@ def test_sweep_grid_batches_and_skips(tmp_path):
     ],
 )
 def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch, overrides, message):
-    import fastdecode.loading
+    import fastdecode.runtime.loading
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was checked")
 
-    monkeypatch.setattr(fastdecode.loading, "load_model", refuse)
+    monkeypatch.setattr(fastdecode.runtime.loading, "load_model", refuse)
     from eval.speed import run
 
     with pytest.raises(ConfigError, match=message):
@@ -277,7 +280,7 @@ def test_token_match_and_oracle_statistics():
 
 
 def test_prompts_go_through_the_chat_template(tmp_path):
-    from fastdecode.tokenizer import byte_tokenizer
+    from fastdecode.runtime.tokenizer import byte_tokenizer
 
     tok = byte_tokenizer()
     cfg = tiny_speed_cfg(tmp_path, "exit_layer=2", "n_prompts=2")
@@ -410,7 +413,7 @@ def _checkpoint_with_report(tmp_path, agreement: dict[int, float]):
 def test_auto_with_a_recorded_acceptance_runs_the_chain_first(tmp_path, monkeypatch):
     import fastdecode.bench.auto
     from eval.speed import run
-    from fastdecode.cost import estimate_costs
+    from fastdecode.plan.cost import estimate_costs
 
     # The weights' cost model instead of timings, so the choice does not depend on how busy the machine is.
     monkeypatch.setattr(fastdecode.bench.auto, "decoding_costs", estimate_costs)
@@ -453,7 +456,7 @@ def _mt_bench_file(path, per_category: int = 2):
 
 def test_mt_bench_prompts_are_taken_round_robin_across_categories(tmp_path):
     from fastdecode.bench.speed import read_prompt_records
-    from fastdecode.tokenizer import byte_tokenizer
+    from fastdecode.runtime.tokenizer import byte_tokenizer
 
     data = _mt_bench_file(tmp_path / "question.jsonl")
     base = ["model=tiny-llama", "data=mt_bench", f"data.path={data}", "decoder=[autoregressive]"]

@@ -6,17 +6,18 @@ global index, and a first stage that cannot be one refused by name."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 import fastdecode
 from fastdecode.config import ConfigError, to_dataclass
-from fastdecode.decoding import DECODERS, PROPOSERS, DecodeConfig, LookupOptions, SuffixOptions
-from fastdecode.decoding.suffix import SuffixProposer
-from fastdecode.decoding.suffix_sources import global_index, remember, reset_global_index
-from fastdecode.suffix_index_file import NotASuffixIndexError
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.drafters.lookup.options import LookupOptions
+from fastdecode.drafters.suffix.index_file import NotASuffixIndexError
+from fastdecode.drafters.suffix.options import SuffixOptions
+from fastdecode.drafters.suffix.proposer import SuffixProposer
+from fastdecode.drafters.suffix.sources import global_index, remember, reset_global_index
+from fastdecode.registry import DECODERS, PROPOSERS
 from tests.eagle3_heads import head_dir
 from tests.helpers import (
     assisted_target,
@@ -49,7 +50,7 @@ def mixed_prompts() -> list[list[int]]:
 
 def base_cfg(**options) -> DecodeConfig:
     fields = {"max_new_tokens": 20, "draft_tokens": 4, "costs": "estimated", "chain": True, "suffix": FIRST}
-    return DecodeConfig(**(fields | options))
+    return to_dataclass(DecodeConfig, fields | options, "test")
 
 
 def check_chain(decoder: str, m, cfg: DecodeConfig, fallback: str, draft=None) -> None:
@@ -58,7 +59,7 @@ def check_chain(decoder: str, m, cfg: DecodeConfig, fallback: str, draft=None) -
     rows are labelled ``suffix`` or ``fallback`` only (forced rows included)."""
     prompts = mixed_prompts()
     expected = autoregressive(m, prompts, DecodeConfig(max_new_tokens=cfg.max_new_tokens)).tokens
-    remember(m, cfg.suffix, cfg.eos_ids, expected[:3])
+    remember(m, SuffixOptions.of(cfg), cfg.eos_ids, expected[:3])
     out = DECODERS[decoder](m, prompts, cfg, draft=draft) if draft else DECODERS[decoder](m, prompts, cfg)
     assert out.tokens == expected
     assert set(out.by_proposer) == {"suffix", fallback}, out.by_proposer
@@ -105,17 +106,7 @@ def test_sampling_stays_lossless():
     the target's exactly computed one."""
     m = tiny_vocab_model()
     prompt = [3, 1, 4, 1, 5, 3, 1, 4]
-    cfg = DecodeConfig(
-        max_new_tokens=4,
-        temperature=1.0,
-        draft_tokens=3,
-        seed=3,
-        costs="estimated",
-        exit_layer=1,
-        chain=True,
-        lookup=NEVER_RETIRED,
-        suffix=SuffixOptions(first=True, global_size=0, min_prob=0.0),
-    )
+    cfg = DecodeConfig(max_new_tokens=4, temperature=1.0, draft_tokens=3, seed=3, costs="estimated", exit_layer=1, chain=True).with_options(NEVER_RETIRED, SuffixOptions(first=True, global_size=0, min_prob=0.0))
     joint = exact_joint(m, prompt, 4, cfg)
     out = DECODERS["self_speculative"](m, [prompt] * 4000, cfg)
     assert set(out.by_proposer) == {"suffix", "exit"}
@@ -133,7 +124,7 @@ def test_the_outputs_join_the_global_index_and_are_drafted_from_again():
     prompts = random_prompts(3, seed=72)
     cfg = base_cfg(exit_layer=2, policy="constant")
     expected = autoregressive(m, prompts, DecodeConfig(max_new_tokens=20)).tokens
-    DECODERS["self_speculative"](m, prompts, replace(cfg, suffix=SuffixOptions()))
+    DECODERS["self_speculative"](m, prompts, cfg.with_options(SuffixOptions()))
     assert len(global_index(m, FIRST, set())) == 0
     first = DECODERS["self_speculative"](m, prompts, cfg)
     assert first.tokens == expected and len(global_index(m, FIRST, set())) == len(prompts)
@@ -157,7 +148,7 @@ def test_a_suffix_first_stage_that_cannot_be_one_is_refused_by_name():
             m, [[1, 2]], base_cfg(exit_layer=2, suffix=SuffixOptions(first=True, corpus="/nonexistent.sfx"))
         )
     cfg = to_dataclass(DecodeConfig, {"max_new_tokens": 4, "suffix": {"first": True}}, "test")
-    assert cfg.suffix.first
+    assert SuffixOptions.of(cfg).first
 
 
 def test_generate_and_the_benchmark_give_the_corpus_to_a_suffix_first_chain(tmp_path, monkeypatch):
@@ -170,12 +161,12 @@ def test_generate_and_the_benchmark_give_the_corpus_to_a_suffix_first_chain(tmp_
     expected = fd.generate("one two", method="autoregressive", max_new_tokens=10, chat=False)
     options = {"exit_layer": 1, "chain": True, "suffix": {"first": True}, "max_new_tokens": 10}
     out = fd.generate("one two", method="self_speculative", corpus=built["output"], chat=False, **options)
-    assert out.ids == expected.ids and out.config.suffix.corpus == built["output"]
+    assert out.ids == expected.ids and SuffixOptions.of(out.config).corpus == built["output"]
     corpora = []
     init = SuffixProposer.__init__
 
-    def recording_init(self, s):
-        init(self, s)
+    def recording_init(self, s, **kwargs):
+        init(self, s, **kwargs)
         corpora.append("corpus" in self.shared)
 
     monkeypatch.setattr(SuffixProposer, "__init__", recording_init)

@@ -12,11 +12,13 @@ from hydra import compose, initialize_config_dir
 
 import fastdecode
 from fastdecode.config import CONFIG_DIR, ConfigError
-from fastdecode.decoding import DECODERS, DecodeConfig, SuffixOptions
-from fastdecode.decoding import suffix as suffix_module
-from fastdecode.decoding.suffix_sources import corpus_fingerprint, corpus_index, reset_global_index
-from fastdecode.model import EarlyExitModel
-from fastdecode.suffix_index_file import NotASuffixIndexError, SuffixIndexFingerprintError
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.drafters.suffix import proposer as suffix_module
+from fastdecode.drafters.suffix.index_file import NotASuffixIndexError, SuffixIndexFingerprintError
+from fastdecode.drafters.suffix.options import SuffixOptions
+from fastdecode.drafters.suffix.sources import corpus_fingerprint, corpus_index, reset_global_index
+from fastdecode.registry import DECODERS
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode_cli.suffix_index import run
 from tests.helpers import tiny_model
 from tests.job_configs import LIVELY, tiny_speed_cfg
@@ -50,7 +52,7 @@ def test_the_cli_builds_an_index_that_loads_and_drafts(tmp_path):
     assert index.tokens[index.keys[0]] == ids  # the response's ids alone: no template, no special tokens
     prompt = tokenizer("the quick brown", add_special_tokens=False).input_ids
     cfg = DecodeConfig(max_new_tokens=12, costs="estimated", policy="constant")
-    cfg = cfg.__class__(**{**cfg.__dict__, "suffix": SuffixOptions(corpus=built["output"], global_size=0)})
+    cfg = cfg.with_options(SuffixOptions(corpus=built["output"], global_size=0))
     out = DECODERS["suffix"](m, [prompt], cfg)
     assert out.tokens == DECODERS["autoregressive"](m, [prompt], cfg).tokens and sum(out.drafted) > 0
 
@@ -81,11 +83,11 @@ def test_generate_with_a_corpus_is_exact_and_refuses_another_tokenizer(tmp_path,
     built = build(tmp_path, [{"prompt": "q", "response": "one two three one two three one two three"}])
     expected = fd.generate("one two", method="autoregressive", max_new_tokens=10, chat=False)
     out = fd.generate("one two", method="suffix", corpus=built["output"], max_new_tokens=10, chat=False)
-    assert out.ids == expected.ids and out.config.suffix.corpus == built["output"]
+    assert out.ids == expected.ids and SuffixOptions.of(out.config).corpus == built["output"]
     with pytest.raises(ConfigError, match="method='suffix'"):
         fd.generate("one two", method="prompt_lookup", corpus=built["output"])
     monkeypatch.setattr(
-        "fastdecode.decoding.suffix_sources.tokenizer_fingerprint",
+        "fastdecode.drafters.suffix.sources.tokenizer_fingerprint",
         lambda tok: {"name": "x", "vocab_size": 261, "vocab_hash": "another"},
     )
     with pytest.raises(SuffixIndexFingerprintError, match="another tokenizer"):  # a decoder on another one
@@ -95,7 +97,7 @@ def test_generate_with_a_corpus_is_exact_and_refuses_another_tokenizer(tmp_path,
 def test_auto_with_a_corpus_drafts_by_suffix_decoding_where_it_would_by_lookup(tmp_path):
     """``choose.with_corpus``: prompt lookup alone becomes suffix decoding over the corpus, a chain's first
     stage becomes suffix decoding, anything else stays; ``generate(method="auto", corpus=)`` runs it, exact."""
-    from fastdecode.choose import Candidate, with_corpus
+    from fastdecode.plan.choose import Candidate, with_corpus
 
     lookup = Candidate("prompt_lookup", "prompt_lookup", {"chain": False, "draft_tokens": 6}, 1.3, "why")
     found = with_corpus(lookup, "c.sfx")
@@ -116,7 +118,7 @@ def test_auto_with_a_corpus_drafts_by_suffix_decoding_where_it_would_by_lookup(t
     expected = fd.generate("one two", method="autoregressive", max_new_tokens=10, chat=False)
     out = fd.generate("one two", corpus=built["output"], max_new_tokens=10, chat=False)
     assert out.candidate.name == "suffix" and out.method == "suffix"
-    assert out.ids == expected.ids and out.config.suffix.corpus == built["output"]
+    assert out.ids == expected.ids and SuffixOptions.of(out.config).corpus == built["output"]
     assert fd.generate("one two", max_new_tokens=10, chat=False).candidate.name == "prompt_lookup"
 
 
@@ -158,7 +160,7 @@ def test_the_benchmark_never_drafts_a_prompt_its_own_answer(tmp_path, monkeypatc
 def test_the_benchmark_refuses_a_corpus_without_a_suffix_method_or_file(tmp_path, monkeypatch):
     from eval.speed import run as run_speed
 
-    monkeypatch.setattr("fastdecode.loading.load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("fastdecode.runtime.loading.load_model", lambda *a, **k: pytest.fail("the model loaded"))
     built = build(tmp_path, [{"text": "abc abc"}])
     for methods in ("[autoregressive]", "[autoregressive,suffix_no_corpus]"):  # the latter never reads one
         cfg = tiny_speed_cfg(tmp_path, f"decoder={methods}", "hf_baseline=null", f"corpus={built['output']}")

@@ -1,38 +1,39 @@
-"""Suffix decoding (fastdecode/decoding/suffix.py): lossless against autoregressive decoding (greedy token for
+"""Suffix decoding (fastdecode/drafters/suffix/proposer.py): lossless against autoregressive decoding (greedy token for
 token, sampling in distribution) with the row, global and corpus indexes; drafts accepted where text repeats;
 the global index bounded, per model and reset; bad options and damaged or foreign corpus files refused by
 name before decoding; the tree drafts' construction (parents, sizes, scores)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fastdecode.config import ConfigError, to_dataclass
-from fastdecode.cost import best_node_budget, cost_model
-from fastdecode.decoding import DECODERS, DecodeConfig, SuffixOptions
-from fastdecode.decoding import suffix as suffix_module
 from fastdecode.decoding.chain import CARRY
-from fastdecode.decoding.drafters import Setup
-from fastdecode.decoding.suffix import Calibration, SuffixProposer
-from fastdecode.decoding.suffix_sources import (
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.decoding.kinds import Setup
+from fastdecode.drafters.suffix import proposer as suffix_module
+from fastdecode.drafters.suffix.index import SuffixIndex
+from fastdecode.drafters.suffix.index_file import (
+    NotASuffixIndexError,
+    SuffixIndexDamagedError,
+    SuffixIndexFingerprintError,
+    save_index,
+)
+from fastdecode.drafters.suffix.options import SuffixOptions
+from fastdecode.drafters.suffix.proposer import Calibration, SuffixProposer
+from fastdecode.drafters.suffix.sources import (
     carried,
     global_index,
     global_sizes,
     remember,
     reset_global_index,
 )
-from fastdecode.model import EarlyExitModel
-from fastdecode.suffix_index import SuffixIndex
-from fastdecode.suffix_index_file import (
-    NotASuffixIndexError,
-    SuffixIndexDamagedError,
-    SuffixIndexFingerprintError,
-    save_index,
-)
+from fastdecode.plan.cost import best_node_budget, cost_model
+from fastdecode.registry import DECODERS
+from fastdecode.runtime.model import EarlyExitModel
 from tests.helpers import (
     assert_drafted_and_accepted,
     exact_joint,
@@ -93,10 +94,10 @@ def test_the_global_index_holds_earlier_outputs_and_its_drafts_are_accepted():
     cfg = cfg_of(policy="constant", max_new_tokens=20, eos_token_id=None)
     expected = autoregressive(m, prompts, cfg).tokens
     first = suffix(m, prompts, cfg)
-    assert first.tokens == expected and len(global_index(m, cfg.suffix, cfg.eos_ids)) == 2
+    assert first.tokens == expected and len(global_index(m, SuffixOptions.of(cfg), cfg.eos_ids)) == 2
     again = suffix(m, prompts, cfg)
     assert again.tokens == expected
-    alone = replace(cfg, suffix=SuffixOptions(global_size=0))
+    alone = cfg.with_options(SuffixOptions(global_size=0))
     without = suffix(m, prompts, alone)
     assert without.tokens == expected
     assert sum(again.accepted) > sum(without.accepted) and again.steps < without.steps
@@ -124,7 +125,7 @@ def test_a_corpus_is_drafted_from_and_decoding_stays_exact(tmp_path, policy, tre
     cfg = cfg_of(policy=policy, eos_token_id=None, suffix=SuffixOptions(global_size=0, tree=tree))
     expected = autoregressive(m, prompts, cfg).tokens
     path = corpus_file(tmp_path, [p + e for p, e in zip(prompts, expected, strict=True)])
-    with_corpus = replace(cfg, suffix=SuffixOptions(global_size=0, corpus=path, tree=tree))
+    with_corpus = cfg.with_options(SuffixOptions(global_size=0, corpus=path, tree=tree))
     out = suffix(m, prompts, with_corpus)
     assert out.tokens == expected
     plain = suffix(m, prompts, cfg)
@@ -139,7 +140,7 @@ def test_sampling_stays_lossless(tree):
     m = tiny_vocab_model()
     prompt = [3, 1, 4, 1, 5, 3, 1, 4, 1, 5, 3, 1, 4]
     cfg = DecodeConfig(max_new_tokens=4, temperature=1.0, draft_tokens=3, seed=1, costs="estimated")
-    cfg = replace(cfg, suffix=SuffixOptions(global_size=0, min_prob=0.0, tree=tree))
+    cfg = cfg.with_options(SuffixOptions(global_size=0, min_prob=0.0, tree=tree))
     joint = exact_joint(m, prompt, 4, cfg)
     out = suffix(m, [prompt] * 4000, cfg)
     assert_drafted_and_accepted(out)
@@ -230,7 +231,7 @@ def test_tree_drafts_are_valid_trees_within_the_budget():
 def test_calibration_learns_from_what_was_accepted():
     """A chain of ratio-1 nodes that is rejected at its second node: that bin's estimate falls; one that is
     accepted whole: it rises. The width weighs the estimates against the verification's cost."""
-    from fastdecode.suffix_index import SuffixDraft
+    from fastdecode.drafters.suffix.index import SuffixDraft
 
     chain = SuffixDraft([4, 5, 6], [-1, 0, 1], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], match_length=4)
     prior = Calibration().scores("row", chain)

@@ -9,9 +9,8 @@ import random
 
 import pytest
 
-from fastdecode.errors import UserError
-from fastdecode.suffix_index import SuffixIndex
-from fastdecode.suffix_index_file import (
+from fastdecode.drafters.suffix.index import SuffixIndex
+from fastdecode.drafters.suffix.index_file import (
     NotASuffixIndexError,
     SuffixIndexDamagedError,
     SuffixIndexFingerprintError,
@@ -19,6 +18,7 @@ from fastdecode.suffix_index_file import (
     load_index,
     save_index,
 )
+from fastdecode.errors import UserError
 
 CASES = [(seed, vocab, depth) for seed in range(4) for vocab, depth in ((3, 4), (4, 7), (6, 64), (2, 3))]
 

@@ -8,7 +8,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM
 
-import fastdecode_recipes
+import recipes
 from fastdecode.config import CONFIG_DIR
 
 
@@ -38,7 +38,7 @@ def test_sft_recipe_trains_saves_and_reloads(tmp_path):
     ]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
-    summary = fastdecode_recipes.run(cfg)
+    summary = recipes.run(cfg)
     assert (out / "config.yaml").is_file()  # the resolved config sits next to the outputs
     assert "tiny-llama" in (out / "config.yaml").read_text()
     reloaded = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])

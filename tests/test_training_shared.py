@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from fastdecode.cache import attention_mask
+from fastdecode.runtime.cache import attention_mask
 from fastdecode.tokens import IGNORE_INDEX, next_token_nll, next_token_targets, perplexity
 from fastdecode.training.draws import draw_generator, row_uniforms
 from fastdecode.training.trainer_logs import ComponentLogsMixin, RunningMeans

@@ -12,13 +12,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fastdecode.cache import KVCache, StaticKVCache, attention_mask, layer_mask
-from fastdecode.decoding import DECODERS, DecodeConfig, tree
+from fastdecode.decoding import tree
 from fastdecode.decoding.common import prefill
-from fastdecode.decoding.drafters import ProposerKind, Setup
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.decoding.kinds import ProposerKind, Setup
 from fastdecode.decoding.proposers import Proposer, one_hot
 from fastdecode.decoding.speculative import Draft, Round, rule, verify
-from fastdecode.model import EarlyExitModel
+from fastdecode.registry import DECODERS
+from fastdecode.runtime.cache import KVCache, StaticKVCache, attention_mask, layer_mask
+from fastdecode.runtime.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE, TINY_MODELS
 from tests.helpers import (
     chi2_pvalue,

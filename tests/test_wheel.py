@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = (
     "fastdecode",
     "fastdecode_cli",
-    "fastdecode_recipes",
+    "recipes",
     "layerskip_train",
     "cllm_train",
     "skipdecode_train",

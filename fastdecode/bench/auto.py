@@ -1,5 +1,5 @@
 """What the speed benchmark resolves once the target model is loaded, with its measured cost model
-(``fastdecode/cost.py``: the device's default engine, measured once per model, machine, engine, thread count and
+(``fastdecode/plan/cost.py``: the device's default engine, measured once per model, machine, engine, thread count and
 batch size):
 
 - ``draft_tokens: auto`` (``configs/decoder/self_speculative.yaml``): ``choose_exit`` with the acceptance the
@@ -21,7 +21,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from fastdecode.acceptance import read_record, recorded_adapter
 from fastdecode.api import FastDecoder
 from fastdecode.bench.config import (
     AUTO,
@@ -31,11 +30,13 @@ from fastdecode.bench.config import (
     check_options,
     resolve_adapter_path,
 )
-from fastdecode.choose import Plan, choose_exit, with_corpus
-from fastdecode.cost import CostModel, decoding_costs, exit_draft_cost
 from fastdecode.decoding.draft_vocab import draft_vocab_ids
-from fastdecode.exit_adapter import load_adapter
-from fastdecode.model import EarlyExitModel
+from fastdecode.drafters.exits.adapter import load_adapter
+from fastdecode.drafters.exits.record import recorded_adapter
+from fastdecode.plan.acceptance import read_record
+from fastdecode.plan.choose import Plan, choose_exit, with_corpus
+from fastdecode.plan.cost import CostModel, decoding_costs, exit_draft_cost
+from fastdecode.runtime.model import EarlyExitModel
 
 AUTO_PREFIX = "auto:"  # the names of the auto method's candidates: auto:<candidate.name>
 

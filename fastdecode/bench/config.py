@@ -20,7 +20,7 @@ draft model (``draft=`` / ``assistant_model=``);
 Two things wait for the loaded model (``fastdecode/bench/auto.py``), because they need its measured cost model:
 ``draft_tokens: auto`` (the K the cost model picks from the acceptance the checkpoint records) and the ``auto``
 method (``decoder: auto``, not a ``DECODERS`` entry), which becomes one method per candidate of the plan
-(``fastdecode.choose.plan_decoding``). Everything about them that can be checked without the model is checked
+(``fastdecode.plan.choose.plan_decoding``). Everything about them that can be checked without the model is checked
 here: their other options, the checkpoint's acceptance record, the adapter's record.
 """
 
@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastdecode.acceptance import read_record
-from fastdecode.checkpoint_info import checkpoint_model, recommended_exit
 from fastdecode.config import (
     ConfigError,
     ModelConfig,
@@ -44,6 +42,8 @@ from fastdecode.config import (
 )
 from fastdecode.data.config import DataConfig
 from fastdecode.data.splits import SPLITS
+from fastdecode.files.checkpoint_info import checkpoint_model, recommended_exit
+from fastdecode.plan.acceptance import read_record
 
 ENGINES = ("fastdecode", "hf")
 MODES = ("compare", "sweep")
@@ -125,7 +125,7 @@ class Method:
     exit_layer: int | None = None
     grid: tuple[int, int] | None = None  # sweep: (exit layer, draft tokens)
     draft_source: str | None = None  # how ``draft_tokens: auto`` was resolved (after the model loads)
-    candidate: dict | None = None  # an ``auto`` method's plan candidate (``fastdecode.choose.Candidate``)
+    candidate: dict | None = None  # an ``auto`` method's plan candidate (``fastdecode.plan.choose.Candidate``)
 
     @property
     def is_auto(self) -> bool:
@@ -192,7 +192,7 @@ def resolve_adapter_path(job: SpeedJob) -> str | None:
     if job.adapter:
         return job.adapter
     if job.checkpoint:
-        from fastdecode.exit_adapter import CHECKPOINT_DIR, META_FILE
+        from fastdecode.drafters.exits.adapter import CHECKPOINT_DIR, META_FILE
 
         if (Path(job.checkpoint) / CHECKPOINT_DIR / META_FILE).is_file():
             return str(Path(job.checkpoint) / CHECKPOINT_DIR)
@@ -235,7 +235,7 @@ def _method(
     used_exit = options.get(exit_key)
     _drafter_files(name, spec, options, adapter, drafter)
     if options.get("adapter") is not None:
-        from fastdecode.exit_adapter import read_meta
+        from fastdecode.drafters.exits.adapter import read_meta
 
         used_exit = used_exit or read_meta(options["adapter"])["exit_layer"]  # a missing adapter fails here
     check_options(name, spec, options)
@@ -258,7 +258,7 @@ def _drafter_files(
             spec.uses_drafter,
             drafter,
             "drafts with an EAGLE-3 head and none is set: pass drafter=PATH (the head's directory, "
-            "fastdecode.eagle3_files.save_eagle3 or a speculators / SpecForge checkpoint).",
+            "fastdecode.drafters.eagle3.files.save_eagle3 or a speculators / SpecForge checkpoint).",
         ),
     }
     for key, (used, given, missing) in needs.items():
@@ -267,25 +267,26 @@ def _drafter_files(
                 raise ConfigError(f"method '{name}' {missing}")
             options[key] = given
     if options.get("drafter") is not None:
-        from fastdecode.eagle3_files import read_eagle3_config
+        from fastdecode.registry import check_drafter
 
-        read_eagle3_config(options["drafter"])
+        check_drafter(options["drafter"])
 
 
 def check_options(name: str, spec: MethodConfig, options: dict) -> None:
     """Unknown decoders and option keys fail here, before any model loads (``draft_tokens: auto`` is checked
     as an int K; the ``auto`` method's options as the ``DecodeConfig`` fields every candidate shares)."""
     if spec.engine == "fastdecode":
-        from fastdecode.decoding import DecodeConfig, get_decoder
+        from fastdecode.decoding.config import DecodeConfig
+        from fastdecode.registry import get_decoder
 
         if spec.decoder == AUTO:
-            from fastdecode.choose import PLAN_OWNED
+            from fastdecode.plan.choose import PLAN_OWNED
 
             owned = sorted(set(options) & set(PLAN_OWNED))
             if owned:
                 raise ConfigError(
                     f"decoder.{name}.options sets {', '.join(owned)}: the plan chooses these per candidate "
-                    "(fastdecode.choose.plan_decoding); select the method itself (e.g. decoder=[...,"
+                    "(fastdecode.plan.choose.plan_decoding); select the method itself (e.g. decoder=[...,"
                     "self_speculative_chain]) to fix them."
                 )
         else:
@@ -384,6 +385,6 @@ def check_auto_records(job: SpeedJob, methods: list[Method], adapter: str | None
         return
     read_record(job.checkpoint)  # RecordError (a ConfigError) names the file and the fix
     if adapter is not None and any(m.is_auto for m in methods):
-        from fastdecode.acceptance import recorded_adapter
+        from fastdecode.drafters.exits.record import recorded_adapter
 
         recorded_adapter(adapter)  # AdapterError (a ConfigError) names what is missing

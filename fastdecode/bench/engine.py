@@ -33,15 +33,15 @@ from fastdecode.bench.engine_costs import autoregressive, forward_costs, layer_o
 from fastdecode.bench.engine_job import EngineJob, path_options
 from fastdecode.bench.engine_report import to_markdown
 from fastdecode.config import ConfigError, to_dataclass
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.model import EarlyExitModel
 
 log = logging.getLogger(__name__)
 
 
 def run(cfg: Any) -> dict:
     """Run the benchmark of ``configs/engine.yaml``; write ``engine.json`` and ``engine.md``; return it."""
-    from fastdecode.io import atomic_write_json, atomic_write_text, check_writable
-    from fastdecode.loading import load_model
+    from fastdecode.files.io import atomic_write_json, atomic_write_text, check_writable
+    from fastdecode.runtime.loading import load_model
 
     job = to_dataclass(EngineJob, cfg, "")
     check_writable(job.output_dir)  # before the model loads
@@ -69,7 +69,7 @@ def _header(job: EngineJob, m: EarlyExitModel) -> dict[str, Any]:
     import transformers
 
     from fastdecode.bench.report import git_state
-    from fastdecode.machine import cpu_name
+    from fastdecode.runtime.machine import cpu_name
 
     return {
         "model": job.model.name,
@@ -86,8 +86,8 @@ def _header(job: EngineJob, m: EarlyExitModel) -> dict[str, Any]:
 
 def _measure_threads(m: EarlyExitModel, job: EngineJob) -> dict[str, Any]:
     """Every measurement of the job at the current thread count."""
-    from fastdecode.loading import load_model
-    from fastdecode.machine import machine_label
+    from fastdecode.runtime.loading import load_model
+    from fastdecode.runtime.machine import machine_label
 
     entry: dict[str, Any] = {
         "measured_on": machine_label(m.device),

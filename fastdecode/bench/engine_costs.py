@@ -16,7 +16,7 @@ import torch
 
 from fastdecode.bench.engine_job import EngineJob, decode_flags, path_options
 from fastdecode.bench.measure import sync
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.model import EarlyExitModel
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,8 @@ def _ar_runners(
     m: EarlyExitModel, job: EngineJob, paths: list[str], prompts: list[list[int]]
 ) -> dict[str, Callable[[], object]]:
     """One call per path of our decoder on ``prompts``, and HF ``generate`` (greedy, EOS off)."""
-    from fastdecode.decoding import DecodeConfig, get_decoder
+    from fastdecode.decoding.config import DecodeConfig
+    from fastdecode.registry import get_decoder
 
     decode = get_decoder("autoregressive")
     ids = torch.tensor(prompts, device=m.device)

@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from fastdecode.config import ConfigError, ModelConfig
-from fastdecode.engine import EngineOptions, default_options
+from fastdecode.runtime.engine import EngineOptions, default_options
 
 PATHS = ("hf", "engine", "static", "compile")
 COMPONENTS = ("model", "layers_lo", "layers_hi", "head", "head_subset")

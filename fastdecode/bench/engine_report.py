@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def to_markdown(result: dict) -> str:
     """The Markdown of a result of ``fastdecode.bench.engine.run`` (one section per thread count, headed by the
-    machine it was measured on: ``fastdecode.machine.machine_label``)."""
+    machine it was measured on: ``fastdecode.runtime.machine.machine_label``)."""
     job = result["job"]
     lines = [
         f"# Execution engine: {result['model']} ({result['dtype']}, {result['device']}, {result['cpu']})",

@@ -25,9 +25,10 @@ from torch import nn
 
 from fastdecode.bench.config import Method, SpeedJob
 from fastdecode.config import ConfigError, to_dataclass
-from fastdecode.decoding import DecodeConfig, DecodeOutput, check, get_decoder
-from fastdecode.decoding.suffix_sources import global_scope
-from fastdecode.model import EarlyExitModel
+from fastdecode.decoding.common import check
+from fastdecode.decoding.config import DecodeConfig, DecodeOutput
+from fastdecode.registry import get_decoder, memory_scope
+from fastdecode.runtime.model import EarlyExitModel
 
 
 def cut_at_eos(row: list[int], eos: set[int]) -> list[int]:
@@ -64,7 +65,7 @@ class FastdecodeRunner:
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int
     ) -> DecodeOutput:
         cfg = dataclasses.replace(self.cfg, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-        with global_scope(self.name):  # suffix decoding: each method its own global index of earlier outputs
+        with memory_scope(self.name):  # each method its own memory of earlier outputs (suffix decoding)
             return self.decode(self.m, prompts, cfg, draft=self.draft)
 
 

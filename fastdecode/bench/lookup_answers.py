@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from fastdecode.config import ConfigError, ModelConfig
-from fastdecode.cost import SOURCES, CostModel
 from fastdecode.data.config import DataConfig, check_data_files, check_trainable
-from fastdecode.decoding.options import EOS_CUTS, MATCHES
 from fastdecode.decoding.policies import POLICIES
-from fastdecode.io import atomic_write_json, check_writable
+from fastdecode.drafters.lookup.options import EOS_CUTS, MATCHES
+from fastdecode.files.io import atomic_write_json, check_writable
+from fastdecode.plan.cost import SOURCES, CostModel
 
 logger = logging.getLogger(__name__)
 FORMAT = 1
@@ -132,7 +132,8 @@ def fill_cache(job: ReplayJob, cache: dict[str, Any], m: Any, tokenizer: Any, eo
     """Generate the answers ``cache`` still lacks for ``job``, a batch at a time, rewriting the file after
     each; ``cache["records"]`` holds ``{"prompt": ids, "answer": ids}`` in the training split's order."""
     from fastdecode.data.chat import training_prompts
-    from fastdecode.decoding import DecodeConfig, get_decoder
+    from fastdecode.decoding.config import DecodeConfig
+    from fastdecode.registry import get_decoder
 
     records = cache["records"]
     if len(records) >= job.num_prompts:
@@ -154,8 +155,8 @@ def costs_key(job: ReplayJob) -> str:
     """Where the cache keeps the cost model: estimated, or measured on this machine at this thread count."""
     import torch
 
-    from fastdecode.loading import resolve_device
-    from fastdecode.machine import machine_key
+    from fastdecode.runtime.loading import resolve_device
+    from fastdecode.runtime.machine import machine_key
 
     if job.costs != "measured":
         return job.costs
@@ -169,9 +170,9 @@ def prepare(job: ReplayJob) -> tuple[list[tuple[list[int], list[int]]], CostMode
     key = costs_key(job)
     costs = cached_costs(cache, key) if job.costs in SOURCES else costs_from_file(job.costs)
     if len(cache["records"]) < job.num_prompts or costs is None:
-        from fastdecode.cost import decoding_costs
-        from fastdecode.loading import load_model
-        from fastdecode.model import EarlyExitModel
+        from fastdecode.plan.cost import decoding_costs
+        from fastdecode.runtime.loading import load_model
+        from fastdecode.runtime.model import EarlyExitModel
         from fastdecode.tokens import eos_ids
 
         model, tokenizer = load_model(job.model)

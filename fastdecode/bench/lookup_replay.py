@@ -20,11 +20,12 @@ from typing import NamedTuple
 
 import torch
 
-from fastdecode.cost import CostModel
-from fastdecode.decoding.common import DecodeConfig, DecodeOutput, Rows
-from fastdecode.decoding.ngram import PromptLookupProposer
-from fastdecode.decoding.options import LookupOptions
+from fastdecode.decoding.common import Rows
+from fastdecode.decoding.config import DecodeConfig, DecodeOutput
 from fastdecode.decoding.speculative import Round, Verdict, new_policy, settle
+from fastdecode.drafters.lookup.ngram import PromptLookupProposer
+from fastdecode.drafters.lookup.options import LookupOptions
+from fastdecode.plan.cost import CostModel
 
 UNKNOWN = -1  # the verifier's token past the known answer: equal to no draft
 
@@ -40,7 +41,7 @@ class Variant:
     def config(self, cfg: DecodeConfig) -> DecodeConfig:
         """``cfg`` with this variant's ``decoder.lookup`` (n from ``max_n`` down to 1)."""
         lookup = LookupOptions(max_ngram_size=self.max_n, min_ngram_size=1, match=self.match, eos=self.eos)
-        return replace(cfg, lookup=lookup)
+        return cfg.with_options(lookup)
 
     @property
     def label(self) -> str:
@@ -163,7 +164,7 @@ class Tally:
         return self.drafting / max(1, self.rounds)
 
     def lookup_prior(self) -> str:
-        """What ``fastdecode.choose.LOOKUP_PRIOR`` holds: the share of rounds with a draft, the tokens such a
+        """What ``fastdecode.plan.choose.LOOKUP_PRIOR`` holds: the share of rounds with a draft, the tokens such a
         round emits and the tokens it drafts."""
         rounds = max(1, self.drafting)
         return (
@@ -206,11 +207,11 @@ def best(found: dict[tuple[Variant, str], Tally], policy: str) -> list[tuple[Var
 
 def prior_table(tally: Tally, draft_tokens: int) -> list[str]:
     """Markdown: conditional acceptance of draft position i after an n-token match, each cell accepted / tried,
-    from a replay whose drafts were not cut (``policy=constant``); the last column is what ``ngram.PRIOR``
+    from a replay whose drafts were not cut (``policy=constant``); the last column is what ``ngram.MATCH_PRIOR``
     holds per n: positions 1, 2 and 3 onwards pooled."""
     sizes = sorted({n for n, _ in tally.prior})
     lines = [
-        "| n | " + " | ".join(f"position {i + 1}" for i in range(draft_tokens)) + " | PRIOR (1, 2, 3+) |",
+        "| n | " + " | ".join(f"position {i + 1}" for i in range(draft_tokens)) + " | MATCH_PRIOR (1, 2, 3+) |",
         "| --- |" + " --- |" * (draft_tokens + 1),
     ]
     for n in sizes:
@@ -253,7 +254,7 @@ def report(found: dict[tuple[Variant, str], Tally], policies: Sequence[str], dra
         lines[-1] += f"; next {second.label}, {other.speedup:.3f}x ({margin:+.1f}%)."
     lines += [
         "",
-        f"fastdecode.choose.LOOKUP_PRIOR ({top.label}, policy={policies[0]}): {tally.lookup_prior()}",
+        f"fastdecode.plan.choose.LOOKUP_PRIOR ({top.label}, policy={policies[0]}): {tally.lookup_prior()}",
     ]
     if (top, "constant") in found:
         lines += ["", f"Acceptance prior ({top.label}, policy=constant):", ""]

@@ -11,7 +11,7 @@ Per call: TTFT first (the same call with ``max_new_tokens=1``, when ``ttft`` is 
 memory: ``torch.cuda.max_memory_allocated`` reset before each call on a GPU; on a CPU the process's peak RSS
 (monotonic, so it mostly reflects the largest method and the loaded weights).
 
-Suffix decoding's global index of earlier outputs (``fastdecode/decoding/suffix_sources.py``) is emptied after
+Suffix decoding's global index of earlier outputs (``fastdecode/drafters/suffix/sources.py``) is emptied after
 the warm-up and before each pass over the prompts (per repeat, temperature and batch size), and each method
 keeps its own: no prompt's own answer is in it when that prompt is decoded.
 """
@@ -29,7 +29,7 @@ import torch
 from fastdecode.bench.config import Method, SpeedJob
 from fastdecode.bench.engines import count_layers
 from fastdecode.bench.stats import Record
-from fastdecode.decoding.suffix_sources import reset_global_index
+from fastdecode.registry import forget_earlier_calls
 
 Prompt = tuple[str, list[int]]
 log = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ def measure(
     desc = f"speed: {len(methods)} methods x {len(prompts)} prompts"
     with tqdm(total=total, desc=desc, disable=not job.progress, unit="call") as bar:
         for repeat, s in itertools.product(range(job.repeats), settings):
-            reset_global_index()  # a pass over the prompts: none of their answers is in a suffix global index
+            forget_earlier_calls()  # a pass over the prompts: none of their answers is in a drafter's memory
             for index, group in enumerate(s.groups):
                 where = (repeat, s.temperature, s.size, index)
                 records += run_batch(job, s.active, runners, group, where=where, device=device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from fastdecode.io import atomic_path
+from fastdecode.files.io import atomic_path
 
 
 def _pyplot():

@@ -27,8 +27,8 @@ import torch
 
 from fastdecode.bench.categories import category_table
 from fastdecode.bench.plots import plot_all
-from fastdecode.io import atomic_write_text
-from fastdecode.machine import cpu_name, machine_label
+from fastdecode.files.io import atomic_write_text
+from fastdecode.runtime.machine import cpu_name, machine_label
 
 ROOT = Path(__file__).resolve().parents[2]
 MD_COLUMNS = [

@@ -33,7 +33,8 @@ from fastdecode.bench.stats import Record, attach_matches, oracle_report, summar
 from fastdecode.config import ConfigError
 from fastdecode.data.sources import load_records
 from fastdecode.decoding.common import check_context
-from fastdecode.model import EarlyExitModel
+from fastdecode.registry import check_corpus_file, corpus_fingerprint, corpus_options, load_corpus
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.tokens import eos_ids
 
 log = logging.getLogger(__name__)
@@ -86,14 +87,6 @@ def tokenize_prompts(
     return prompts
 
 
-def with_corpus(options: dict, corpus: str, m: EarlyExitModel, tokenizer) -> dict:
-    """``options`` with ``decoder.suffix.corpus`` set to ``corpus``, checked against the model and tokenizer."""
-    from fastdecode.decoding.suffix_sources import corpus_fingerprint, corpus_index
-
-    corpus_index(corpus, m, fingerprint=corpus_fingerprint(tokenizer))
-    return options | {"suffix": dict(options.get("suffix") or {}) | {"corpus": corpus}}
-
-
 def check_corpus(job: SpeedJob, methods: list[Method]) -> None:
     """``corpus=`` needs a ``suffix`` method and a readable suffix index file (checked before any load)."""
     if job.corpus is None:
@@ -103,11 +96,7 @@ def check_corpus(job: SpeedJob, methods: list[Method]) -> None:
             f"corpus={job.corpus!r} is read by the suffix methods that use a corpus only (uses_corpus: suffix, "
             "suffix_tree, the *_suffix_chain ones, auto): add one (decoder=[...,suffix]) or drop corpus=."
         )
-    from pathlib import Path
-
-    from fastdecode.suffix_index_file import read_header
-
-    read_header(Path(job.corpus))  # a missing, foreign or other-version file fails here, by name
+    check_corpus_file(job.corpus)  # a missing, foreign or other-version file fails here, by name
 
 
 def build_runners(
@@ -122,11 +111,12 @@ def build_runners(
     runners = {}
     for method in methods:
         if method.options.get("adapter") is not None:  # another model or tokenizer fails before decoding
-            from fastdecode.exit_adapter import load_adapter
+            from fastdecode.drafters.exits.adapter import load_adapter
 
             load_adapter(method.options["adapter"], m, tokenizer)
         if job.corpus and method.spec.uses_corpus and not method.is_auto:  # foreign files fail here
-            method.options = with_corpus(method.options, job.corpus, m, tokenizer)
+            load_corpus(job.corpus, m, corpus_fingerprint(tokenizer))
+            method.options = corpus_options(method.options, job.corpus)
         if method.is_auto:
             runners[method.name] = AutoRunner(method, auto, job, m)
         elif method.spec.engine == "fastdecode":
@@ -170,7 +160,7 @@ def annotate(summary: list[dict], methods: list[Method], runners: dict, hf_layer
 def load_and_resolve(job: SpeedJob, methods: list[Method]):
     """Load the target (and the draft model when a method uses one), then resolve what needs the loaded model
     (``auto.resolve_after_load``). Returns ``(m, tokenizer, draft, Resolved)``."""
-    from fastdecode.loading import load_model, model_config
+    from fastdecode.runtime.loading import load_model, model_config
 
     target = target_model_config(job)
     config = model_config(target)  # config.json, not the weights
@@ -190,7 +180,7 @@ def run(cfg: Any) -> dict:
     """The whole benchmark for one model and prompt set; returns the result written to ``output_dir``."""
     from fastdecode.bench.measure import measure
     from fastdecode.bench.report import environment, write_report
-    from fastdecode.io import check_writable
+    from fastdecode.files.io import check_writable
 
     job, methods, exit_source = plan(cfg)
     check_corpus(job, methods)

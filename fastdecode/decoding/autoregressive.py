@@ -14,10 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fastdecode.cache import KVCache
 from fastdecode.decoding.common import (
-    DecodeConfig,
-    DecodeOutput,
     Rows,
     check,
     choose,
@@ -27,7 +24,9 @@ from fastdecode.decoding.common import (
     probabilities,
     refuse_draft_model,
 )
-from fastdecode.model import EarlyExitModel
+from fastdecode.decoding.config import DecodeConfig, DecodeOutput
+from fastdecode.runtime.cache import KVCache
+from fastdecode.runtime.model import EarlyExitModel
 
 LayerRanges = Sequence[range]  # the layers one step runs: ascending, disjoint ranges of layer indices
 

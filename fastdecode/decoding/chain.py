@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdecode.decoding.common import DecodeConfig
+from fastdecode.decoding.config import DecodeConfig
 from fastdecode.decoding.proposers import Proposer, one_hot
 from fastdecode.decoding.speculative import Draft, Round, Verdict
 
@@ -69,10 +69,12 @@ def carried_books() -> Books | None:
 class FirstStage(Proposer):
     """A chain's first stage: deterministic drafts from text. ``lookup(r)``: per row the tokens to draft this
     round (empty: none; rows that no longer decode draft nothing); ``learn(done)``: book how its drafts of the
-    round fared (``speculative.Settled``). Its ``name`` labels its rows (``Draft.sources``)."""
+    round fared (``speculative.Settled``). Its ``name`` labels its rows (``Draft.sources``); ``trial``: the
+    row-rounds the chain's fallback drafts before it must have paid for itself (0: never retired)."""
 
     cfg: DecodeConfig
     vocab_size: int
+    trial: int
 
     def lookup(self, r: Round) -> list[list[int]]:
         raise NotImplementedError
@@ -108,7 +110,7 @@ class ChainProposer(Proposer):
 
     The fallback drafts only while it pays on this call's text: once it has drafted ``judge_after`` row-rounds
     and the tokens those rounds yielded (accepted + the verifier's own) fall short of the plain decoding steps
-    they cost (``round_cost``, ``fastdecode/cost.py``; a plain step is what prompt lookup alone takes there;
+    they cost (``round_cost``, ``fastdecode/plan/cost.py``; a plain step is what prompt lookup alone takes there;
     plus what keeping up costs it in the lookup's rows, ``Proposer.ride_cost``: an EAGLE-3 head's rows),
     it is retired for the rest of the call. Rows the lookup does not match then take a plain step: through the
     drafter's layers when they are the target's own (self-speculation: that is part of the verification),

@@ -14,174 +14,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from fastdecode.cache import KVCache
-from fastdecode.config import ConfigError, unknown_name_error
-from fastdecode.cost import SOURCES as COST_SOURCES
-from fastdecode.decoding import options
-from fastdecode.decoding.policies import POLICIES
-from fastdecode.engine import default_options
-from fastdecode.fast_linear import KERNELS
-from fastdecode.model import EarlyExitModel
-
-
-@dataclass
-class DecodeConfig:
-    """How to decode. ``temperature=0`` is greedy; ``exit_layer`` E is the number of blocks the drafter (or a
-    pure early exit) runs; ``draft_tokens`` is K for the ``constant`` policy and the largest K for the others.
-    ``eos_token_id=None`` never stops early (pass the tokenizer's EOS id(s) to stop at EOS). ``draft_vocab``:
-    path of a draft vocabulary file (``fastdecode/data/draft_vocab.py``); the drafter's head then scores only
-    those tokens (verification keeps the full head: still lossless). ``skip``, ``jacobi``, ``suffix``,
-    ``eagle3``: the options of those decoders (``fastdecode/decoding/options.py``). ``adapter``: an exit
-    adapter directory (``fastdecode/exit_adapter.py``); ``self_speculative`` then drafts through it (E from
-    the adapter). ``lookup``: n-gram drafting; ``chain``: ``self_speculative``/``assisted`` rows draft by lookup where it matches.
-    ``costs``: the cost model the policies and n-gram drafts read (``fastdecode/cost.py``): ``measured`` on
-    the loaded model (once per model and engine) or ``estimated`` from the weights."""
-
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    exit_layer: int | None = None
-    policy: str = "constant"
-    draft_tokens: int = 4
-    confidence_threshold: float = 0.4
-    eos_token_id: int | list[int] | None = None
-    seed: int = 0
-    draft_vocab: str | None = None
-    adapter: str | None = None
-    drafter: str | None = None  # an EAGLE-3 head directory (decoder 'eagle3', fastdecode/eagle3_files.py)
-    skip: options.SkipOptions = field(default_factory=options.SkipOptions)  # one decoder's options each
-    jacobi: options.JacobiOptions = field(default_factory=options.JacobiOptions)
-    lookup: options.LookupOptions = field(default_factory=options.LookupOptions)
-    suffix: options.SuffixOptions = field(default_factory=options.SuffixOptions)
-    eagle3: options.Eagle3Options = field(default_factory=options.Eagle3Options)
-    chain: bool = False
-    costs: str = "measured"
-
-    # execution engine (fastdecode/engine.py); null = the default for the device (CPU: on; CUDA: off)
-    fast_layers: bool | None = None  # lean layers over fused projections (Llama/Mistral/Qwen2 families)
-    fast_linear: bool | None = None  # pre-packed CPU kernels for every projection and the LM head
-    linear_kernel: str | None = None  # null: per number of rows, by measurement; or linear | mkl | dnn
-    static_cache: bool | None = None  # the static-shape cache mode (null: only when compiling)
-    compile: bool = False  # torch.compile of each layer range per number of new tokens (static cache)
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens <= 0:
-            raise ConfigError(f"decoder.max_new_tokens={self.max_new_tokens}: must be >= 1.")
-        if self.temperature < 0:
-            raise ConfigError(f"decoder.temperature={self.temperature}: must be >= 0 (0 = greedy).")
-        if self.top_k is not None and self.top_k < 1:
-            raise ConfigError(f"decoder.top_k={self.top_k}: must be >= 1, or null to disable it.")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ConfigError(f"decoder.top_p={self.top_p}: must be in (0, 1], or null to disable it.")
-        if self.exit_layer is not None and self.exit_layer <= 0:
-            raise ConfigError(
-                f"decoder.exit_layer={self.exit_layer}: the drafter must run at least one block; "
-                "use 1 <= exit_layer <= num_layers - 1 (or null for full depth)."
-            )
-        if self.draft_tokens < 1:
-            raise ConfigError(f"decoder.draft_tokens={self.draft_tokens}: must be >= 1.")
-        if not 0 <= self.confidence_threshold <= 1:
-            raise ConfigError(f"decoder.confidence_threshold={self.confidence_threshold}: must be in [0, 1].")
-        if self.policy not in POLICIES:
-            raise unknown_name_error("draft-length policy", self.policy, list(POLICIES), "(decoder.policy)")
-        if self.linear_kernel is not None and self.linear_kernel not in KERNELS:
-            raise unknown_name_error(
-                "linear kernel", self.linear_kernel, list(KERNELS), "(decoder.linear_kernel)"
-            )
-        if self.costs not in COST_SOURCES:
-            raise unknown_name_error("cost model", self.costs, list(COST_SOURCES), "(decoder.costs)")
-        if self.compile and self.static_cache is False:
-            raise ConfigError(
-                "decoder.compile=true needs the static cache: set decoder.static_cache=true or null."
-            )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def eos_ids(self) -> set[int]:
-        if self.eos_token_id is None:
-            return set()
-        return {self.eos_token_id} if isinstance(self.eos_token_id, int) else set(self.eos_token_id)
-
-
-@dataclass
-class DecodeOutput:
-    """Result of one ``generate`` call.
-
-    ``tokens``: new tokens per row, EOS included once and nothing after it. ``steps``: decoding iterations
-    after the prefill (one model pass for autoregressive, one draft + verify round for speculative).
-    ``accepted``/``drafted``/``oracle``: one entry per verification and active row; ``oracle`` is the number
-    of leading drafted tokens equal to the verifier's argmax (the best draft length, when the policy drafts
-    the full K: run ``policy=constant`` with a large ``draft_tokens`` to measure it).
-    ``position_accepted[i]``/``position_drafted[i]``: how often draft position i+1 was accepted / drafted.
-    ``layers_run``: decoder-layer x token applications after the prefill, counted for active rows (compute).
-    ``layer_calls``: decoder-layer forward calls after the prefill, each over the whole batch and any number
-    of positions: the latency proxy when decoding is memory-bound (self-speculation lowers this one).
-    ``fast_forward`` (jacobi): tokens fixed per forward and row; ``stationary``: per converged block and row.
-    ``by_proposer``: per proposer of a chain, accepted and drafted tokens and the row rounds it drafted in.
-    """
-
-    tokens: list[list[int]]
-    steps: int = 0
-    accepted: list[int] = field(default_factory=list)
-    drafted: list[int] = field(default_factory=list)
-    oracle: list[int] = field(default_factory=list)
-    position_accepted: list[int] = field(default_factory=list)
-    position_drafted: list[int] = field(default_factory=list)
-    layers_run: int = 0
-    layer_calls: int = 0
-    fast_forward: list[int] = field(default_factory=list)
-    stationary: list[int] = field(default_factory=list)
-    by_proposer: dict[str, list[int]] = field(default_factory=dict)  # name -> [accepted, drafted, rounds]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(row) for row in self.tokens)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return sum(self.accepted) / max(1, sum(self.drafted))
-
-    @property
-    def layers_per_token(self) -> float:
-        return self.layers_run / max(1, self.num_tokens)
-
-    @property
-    def layer_calls_per_token(self) -> float:
-        """Sequential layer calls per new token of the longest row."""
-        return self.layer_calls / max(1, max(len(row) for row in self.tokens))
-
-    def record(
-        self, accepted: list[int], drafted: list[int], oracle: list[int], sources: list[str] | None = None
-    ) -> None:
-        """Book one verification: per decoding row, the accepted drafts, the drafted tokens, the oracle count
-        and (a chain of proposers) which proposer drafted."""
-        longest = max(drafted, default=0)
-        grow = longest - len(self.position_drafted)
-        if grow > 0:
-            self.position_drafted += [0] * grow
-            self.position_accepted += [0] * grow
-        for row, (a, d) in enumerate(zip(accepted, drafted, strict=True)):
-            self.accepted.append(a)
-            self.drafted.append(d)
-            for i in range(d):
-                self.position_drafted[i] += 1
-                self.position_accepted[i] += int(i < a)
-            if sources is not None and sources[row] is not None:
-                tally = self.by_proposer.setdefault(sources[row], [0, 0, 0])
-                tally[0], tally[1], tally[2] = tally[0] + a, tally[1] + d, tally[2] + int(d > 0)
-        self.oracle += oracle
+from fastdecode.config import ConfigError
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.runtime.cache import KVCache
+from fastdecode.runtime.engine import default_options
+from fastdecode.runtime.model import EarlyExitModel
 
 
 def configure_engine(m: EarlyExitModel, cfg: DecodeConfig) -> None:
-    """Select the model's execution engine for this call from ``cfg`` (``fastdecode/engine.py``): every decoder
+    """Select the model's execution engine for this call from ``cfg`` (``fastdecode/runtime/engine.py``): every decoder
     calls it after its checks, before any work (the cost model measures the engine that decodes)."""
     m.use_engine(
         default_options(
@@ -230,6 +75,15 @@ def check_context(context: int, max_new_tokens: int, tokens: int, prompt: str, w
         )
 
 
+def refuse_exit_layer(name: str, cfg: DecodeConfig, hint: str = "") -> None:
+    """The decoders that draft from a row's text verify with the whole model: no exit layer."""
+    if cfg.exit_layer is not None:
+        raise ConfigError(
+            f"decoder '{name}' verifies with the whole model: set decoder.exit_layer=null (got "
+            f"{cfg.exit_layer}){hint}."
+        )
+
+
 def refuse_draft_model(name: str, draft: EarlyExitModel | None) -> None:
     if draft is not None:
         raise ConfigError(
@@ -275,7 +129,7 @@ def prefill(
     """Left-pad ``prompts`` into one batch and run them through layers ``[0, exit_layer)`` (all by default).
 
     Padding slots are invalid in ``cache.key_valid``; real tokens take positions ``0..len-1`` per row. With an
-    exit ``adapter`` (``fastdecode/exit_adapter.py``) the cache gets its extra layer slot, and the prompt's
+    exit ``adapter`` (``fastdecode/drafters/exits/adapter.py``) the cache gets its extra layer slot, and the prompt's
     hidden states at its exit also pass the adapter, which fills that slot.
     """
     if not prompts or any(len(p) == 0 for p in prompts):

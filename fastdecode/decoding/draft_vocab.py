@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from fastdecode.config import ConfigError
-from fastdecode.draft_vocab_file import load_draft_vocab
-from fastdecode.file_cache import FileCache
-from fastdecode.model import EarlyExitModel
+from fastdecode.files.draft_vocab_file import load_draft_vocab
+from fastdecode.files.file_cache import FileCache
+from fastdecode.runtime.model import EarlyExitModel
 
 _LOADED = FileCache(maxsize=8)  # per file version and device
 
@@ -30,7 +30,7 @@ def draft_vocab_ids(path: str | os.PathLike | None, m: EarlyExitModel) -> torch.
     """The draft vocabulary ``ids [S]`` in the file ``path`` (``DecodeConfig.draft_vocab``) on the device of
     ``m`` (the model whose head drafts), checked against its vocabulary; None when ``path`` is None.
 
-    The tensor is loaded once per file version and device (``fastdecode/file_cache.py``) and the same object
+    The tensor is loaded once per file version and device (``fastdecode/files/file_cache.py``) and the same object
     is returned every call, so the drafter's gathered head rows are reused (``EarlyExitModel.exit_logits_subset``).
     """
     if path is None:

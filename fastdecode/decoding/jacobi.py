@@ -17,17 +17,10 @@ from __future__ import annotations
 import torch
 
 from fastdecode.config import ConfigError
-from fastdecode.decoding.common import (
-    DecodeConfig,
-    DecodeOutput,
-    Rows,
-    check,
-    configure_engine,
-    prefill,
-    refuse_draft_model,
-)
+from fastdecode.decoding.common import Rows, check, configure_engine, prefill, refuse_draft_model
+from fastdecode.decoding.config import DecodeConfig, DecodeOutput
 from fastdecode.jacobi import JacobiSolver, count_stationary, initial_guess, row_generator
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.model import EarlyExitModel
 
 
 def _refuse(cfg: DecodeConfig) -> None:

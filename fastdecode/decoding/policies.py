@@ -26,7 +26,7 @@ class DraftPolicy:
     """Base of the draft-length policies: draft ``max_tokens`` = K per round, no per-token decision, nothing
     learnt from a round. Subclasses override the hooks they need; every policy takes the same arguments
     (``threshold``: ``confidence``'s stop probability; ``marginal[j]``: what the (j+1)-th drafted token adds
-    to a round's cost in plain decoding steps, from ``fastdecode/cost.py``, for ``adaptive``), so a decoder
+    to a round's cost in plain decoding steps, from ``fastdecode/plan/cost.py``, for ``adaptive``), so a decoder
     builds any of them from ``POLICIES`` alike. ``cost_aware``: proposers that know a whole draft at once
     (n-gram lookups) cut it where the cost model expects the most tokens per cost."""
 
@@ -95,13 +95,13 @@ class Confidence(DraftPolicy):
 class Adaptive(DraftPolicy):
     """Cost-aware stop: after the j-th drafted token, draft another while the estimated probability that the
     whole draft so far is accepted exceeds what one more token adds to the round's cost, ``marginal[j]`` (the
-    drafted token plus the growth of the verification, ``fastdecode/cost.py``); at most K.
+    drafted token plus the growth of the verification, ``fastdecode/plan/cost.py``); at most K.
 
     Why: token j+1 can only count if tokens 1..j are all accepted. The estimate is the product of the
     drafter's confidences, each scaled by a running calibration factor ``r`` = accepted drafts / summed
     confidence of the labelled drafts (accepted ones and the first rejected one per round), with one
     pseudo-count each so that ``r`` starts at 1. ``r`` stays on the device. Proposers that know their whole
-    draft at once (``cost_aware``) cut it with ``fastdecode.cost.best_draft_length`` instead.
+    draft at once (``cost_aware``) cut it with ``fastdecode.plan.cost.best_draft_length`` instead.
     """
 
     dynamic: ClassVar[bool] = True

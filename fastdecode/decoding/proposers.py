@@ -2,12 +2,12 @@
 
 A proposer owns what its drafts depend on and what they cost: its prefill and caches, its draft vocabulary
 (``vocab``: the head rows it scores, None for the full head or no head), its cost per drafted token and per
-round in plain decoding steps (``fastdecode/cost.py``), its state between rounds (``update``). The loop knows
+round in plain decoding steps (``fastdecode/plan/cost.py``), its state between rounds (``update``). The loop knows
 none of that. Model-based proposers here:
 
 - ``ExitProposer``: self-speculation (LayerSkip): the target's own layers ``< E`` and the shared head, writing
   into the target's cache, handing the exit hidden states over for verification (each token passes each
-  layer once); with an exit adapter (Kangaroo, ``fastdecode/exit_adapter.py``) the head reads the adapter's
+  layer once); with an exit adapter (Kangaroo, ``fastdecode/drafters/exits/adapter.py``) the head reads the adapter's
   output over the adapter's own draft vocabulary.
 - ``DraftModelProposer``: a separate, smaller draft model with the target's tokenizer, with its own cache in
   the target's slot layout (HF's ``assistant_model``).
@@ -35,12 +35,13 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from fastdecode.cache import KVCache
-from fastdecode.cost import CostModel, exit_draft_cost
-from fastdecode.decoding.common import DecodeConfig, Prefill, choose, prefill, probabilities
+from fastdecode.decoding.common import Prefill, choose, prefill, probabilities
+from fastdecode.decoding.config import DecodeConfig
 from fastdecode.decoding.policies import DraftPolicy, LaggedFlag
 from fastdecode.decoding.speculative import Draft, Round, Verdict
-from fastdecode.model import EarlyExitModel
+from fastdecode.plan.cost import CostModel
+from fastdecode.runtime.cache import KVCache
+from fastdecode.runtime.model import EarlyExitModel
 
 Forced = tuple[torch.Tensor, list[int]]  # a chain's first-stage drafts [B, m] and their lengths (0: none)
 MARGINAL_SPAN = 16  # marginal costs computed for drafts up to this long (longer ones reuse the last)
@@ -316,85 +317,3 @@ class ModelProposer(Proposer):
 
     def propose(self, r: Round) -> Draft:
         return self.draft(r)
-
-
-class ExitProposer(ModelProposer):
-    """Self-speculation: layers ``< E`` of the target (``E = exit_layer``) and the shared exit head, in the
-    target's cache; with ``adapter`` (an ``ExitAdapter`` at E) the head reads its output over ``vocab``."""
-
-    name = "exit"
-
-    def __init__(
-        self,
-        m: EarlyExitModel,
-        exit_layer: int,
-        cfg: DecodeConfig,
-        generator: torch.Generator,
-        *,
-        costs: CostModel,
-        adapter: Any = None,
-        vocab: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(m, exit_layer, cfg, generator)
-        self.adapter, self.vocab, self.costs, self.depth = adapter, vocab, costs, exit_layer
-        if adapter is not None:
-            self.name = "adapter"
-
-    def start(self, m: EarlyExitModel, prompts: list[list[int]], capacity: int) -> Prefill:
-        state = prefill(m, prompts, capacity, adapter=self.adapter)
-        self.cache = state.cache
-        return state
-
-    def token_cost(self) -> float:
-        return exit_draft_cost(self.costs, self.model, self.depth, adapter=self.adapter, vocab=self.vocab)
-
-    def _draft(self, tokens, probs, hidden, *, layers_run: int, layer_calls: int, sources=None) -> Draft:
-        return Draft(tokens, probs, None, hidden, self.depth, sources, layers_run, layer_calls)
-
-
-class DraftModelProposer(ModelProposer):
-    """Two-model speculation: every layer of ``draft`` (a smaller model, the target's tokenizer), in its own
-    cache; ``draft_costs``: the draft model's cost model (its step in the target's unit via ``step_seconds``
-    when both are measured, else by weights read)."""
-
-    name = "draft_model"
-
-    def __init__(
-        self,
-        draft: EarlyExitModel,
-        cfg: DecodeConfig,
-        generator: torch.Generator,
-        *,
-        costs: CostModel,
-        draft_costs: CostModel,
-        vocab: torch.Tensor | None = None,
-        target: EarlyExitModel,
-    ) -> None:
-        super().__init__(draft, draft.num_layers, cfg, generator)
-        self.costs, self.draft_costs, self.vocab, self.target = costs, draft_costs, vocab, target
-
-    def start(self, m: EarlyExitModel, prompts: list[list[int]], capacity: int) -> Prefill:
-        state = prefill(m, prompts, capacity)
-        self.cache = prefill(self.model, prompts, capacity).cache
-        return state
-
-    def caches(self) -> list[KVCache]:
-        return [self.cache]
-
-    def _step_ratio(self) -> float:
-        """The draft model's plain step in the target's."""
-        if self.costs.step_seconds and self.draft_costs.step_seconds:
-            return self.draft_costs.step_seconds / self.costs.step_seconds
-        return self.model.step_cost() / self.target.step_cost()
-
-    def token_cost(self) -> float:
-        rows = None if self.vocab is None else len(self.vocab)
-        return self._step_ratio() * self.draft_costs.draft_token(self.blocks, head_rows=rows)
-
-    def round_cost(self, drafted: int) -> float:
-        # the last draft's pass through the draft model (its cache must hold it), then the whole target
-        last = self._step_ratio() * self.draft_costs.layers(self.blocks)
-        return drafted * self.token_cost() + last + self.costs.verify(drafted + 1)
-
-    def _draft(self, tokens, probs, hidden, *, layers_run: int, layer_calls: int, sources=None) -> Draft:
-        return Draft(tokens, probs, None, None, 0, sources, layers_run, layer_calls)

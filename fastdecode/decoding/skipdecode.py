@@ -21,8 +21,9 @@ import torch
 
 from fastdecode.config import ConfigError
 from fastdecode.decoding.autoregressive import decode_steps
-from fastdecode.decoding.common import DecodeConfig, DecodeOutput, check, configure_engine, refuse_draft_model
-from fastdecode.model import EarlyExitModel
+from fastdecode.decoding.common import check, configure_engine, refuse_draft_model
+from fastdecode.decoding.config import DecodeConfig, DecodeOutput
+from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.skipdecode import SkipDecodePolicy
 
 

@@ -22,7 +22,7 @@ the one pass, each node at its depth's position attending to its ancestors only 
 sampling), moves it next to t in every cache, and settles it as the chain it has become. A chain
 (``parents`` None) runs exactly the code it always did.
 
-Compiled and static-shape execution is the engine's (``fastdecode/engine.py``); this module is the same on
+Compiled and static-shape execution is the engine's (``fastdecode/runtime/engine.py``); this module is the same on
 every path. Measurements: docs/BENCHMARKS.md.
 """
 
@@ -33,19 +33,12 @@ from typing import NamedTuple
 
 import torch
 
-from fastdecode.cache import KVCache
 from fastdecode.decoding import tree
-from fastdecode.decoding.common import (
-    DecodeConfig,
-    DecodeOutput,
-    Prefill,
-    Rows,
-    choose,
-    probabilities,
-    sample,
-)
+from fastdecode.decoding.common import Prefill, Rows, choose, probabilities, sample
+from fastdecode.decoding.config import DecodeConfig, DecodeOutput
 from fastdecode.decoding.policies import POLICIES, DraftPolicy
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.cache import KVCache
+from fastdecode.runtime.model import EarlyExitModel
 
 
 @dataclass

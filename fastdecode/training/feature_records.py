@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from fastdecode.cache import KVCache
 from fastdecode.data.chat import IGNORE_INDEX
 from fastdecode.decoding.common import left_pad
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.cache import KVCache
+from fastdecode.runtime.model import EarlyExitModel
 
 
 def scored_positions(labels: list[int]) -> list[int]:

@@ -1,6 +1,6 @@
 """The frozen model's work, paid once: layer-E features and the final layer's targets, cached to disk.
 
-One record per training sequence (computed by ``feature_records.py``; ``fastdecode.tensor_shards``: sharded safetensors, committed atomically,
+One record per training sequence (computed by ``feature_records.py``; ``fastdecode.files.tensor_shards``: sharded safetensors, committed atomically,
 resumable after kill -9 with nothing lost or duplicated)::
 
     index      int64 [1]        position of the sequence in the training split
@@ -32,13 +32,13 @@ from typing import Any
 import torch
 
 from fastdecode.data.chat import user_prompt_ids
-from fastdecode.exit_adapter import base_identity, check_base
-from fastdecode.io import check_free_space
-from fastdecode.locks import file_lock
-from fastdecode.machine import machine_label
-from fastdecode.model import EarlyExitModel
-from fastdecode.progress import human_seconds, phase
-from fastdecode.tensor_shards import MANIFEST, ShardHeaderError, ShardReader, ShardWriter, check_header
+from fastdecode.drafters.exits.adapter import base_identity, check_base
+from fastdecode.files.io import check_free_space
+from fastdecode.files.locks import file_lock
+from fastdecode.files.tensor_shards import MANIFEST, ShardHeaderError, ShardReader, ShardWriter, check_header
+from fastdecode.runtime.machine import machine_label
+from fastdecode.runtime.model import EarlyExitModel
+from fastdecode.runtime.progress import human_seconds, phase
 from fastdecode.tokens import eos_ids
 from fastdecode.training.feature_config import FeatureConfig
 from fastdecode.training.feature_records import batch_features, generation_features, scored_positions

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from fastdecode.cache import attention_mask
-from fastdecode.model import EarlyExitModel
+from fastdecode.runtime.cache import attention_mask
+from fastdecode.runtime.model import EarlyExitModel
 
 __all__ = ["WrappedLM", "causal_mask_from_padding"]
 

@@ -3,11 +3,11 @@
 Runs under the Python of a separate virtual environment that has ``speculators`` installed (its pins
 clash with fastdecode's: transformers <= 5.19); it imports nothing from fastdecode. The slow test
 ``tests/test_eagle3_interop.py`` writes the head, the target and the inputs, runs this script and
-compares the logits with ``fastdecode.eagle3.Eagle3Head``'s.
+compares the logits with ``fastdecode.drafters.eagle3.model.Eagle3Head``'s.
 
     python tests/interop/speculators_check.py CASE_DIR [CASE_DIR ...]
 
-Each ``CASE_DIR`` holds ``head/``, the directory ``fastdecode.eagle3_files.save_eagle3`` wrote (its
+Each ``CASE_DIR`` holds ``head/``, the directory ``fastdecode.drafters.eagle3.files.save_eagle3`` wrote (its
 ``speculators_config`` names the verifier, a local Hugging Face directory, from which
 ``Eagle3DraftModel.from_pretrained`` takes the token embedding, as it does for any checkpoint), and
 ``inputs.pt``: a dict of ``hidden_states [1, T, 3H]``, ``input_ids [1, T]``, ``position_ids [1, T]``,

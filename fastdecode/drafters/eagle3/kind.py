@@ -1,0 +1,166 @@
+"""EAGLE-3 speculative decoding (Li et al., 2025): a one-layer head trained on the target's features drafts,
+the target verifies; lossless (greedy and sampling).
+
+``decoder.drafter`` names the head's directory (``fastdecode/drafters/eagle3/files.py``: the speculators dialect, or
+SGLang's). Its configuration is checked against the target before its weights load (hidden size, vocabulary,
+feature layers); the head is loaded once per model and version of its files, on the target's device and
+dtype. The proposer is ``eagle3_proposer.Eagle3Proposer``: verification hands it the target's hidden states at
+the head's feature layers (``speculative.run_capturing``), with no extra pass. With ``decoder.chain=true``
+rows draft by prompt lookup where their text matches, by the head elsewhere. With ``decoder.eagle3.tree=true``
+the head drafts EAGLE-2's dynamic token trees instead of chains (``eagle3_tree.py``; not in a chain).
+
+``offers`` tells ``auto`` (``fastdecode/plan/choose.py``) about the head given with the model
+(``PlanInputs.drafter``) when its directory records the head's acceptance (``<dir>/acceptance.json``,
+``fastdecode/plan/acceptance.py``, drafter ``eagle3``): first-draft acceptance and tokens per round per K.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fastdecode.config import ConfigError
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.decoding.kinds import Offer, PlanInputs, ProposerKind, Setup
+from fastdecode.drafters.eagle3.files import CONFIG_FILE, WEIGHTS_FILE, load_eagle3, read_eagle3_config
+from fastdecode.drafters.eagle3.model import FEATURES, Eagle3Config, Eagle3Head
+from fastdecode.drafters.eagle3.options import Eagle3Options
+from fastdecode.drafters.eagle3.proposer import Eagle3Proposer, HeadRows
+from fastdecode.files.file_cache import FileCache
+from fastdecode.plan.acceptance import read_record
+from fastdecode.plan.cost import PROBE_CONTEXT, CostModel, block_parameters, timed
+from fastdecode.runtime.model import EarlyExitModel
+
+NAME = "eagle3"
+HEAD_REPEATS = 7  # timings of a drafted token; the least disturbed one counts
+_LOADED = FileCache(maxsize=4)  # per model (owner), head files' version, device and dtype
+
+
+def check_head(cfg: Eagle3Config, m: EarlyExitModel, path: str) -> None:
+    """Refuse a head built for another target: its widths, vocabulary and feature layers must fit ``m``."""
+    target = m.config
+    where = f"decoder.drafter={path!r}"
+    found = {
+        "target hidden size": (cfg.target_hidden_size, target.hidden_size),
+        "hidden size (the width of the target's embedding)": (cfg.hidden_size, target.hidden_size),
+        "vocabulary size": (cfg.vocab_size, target.vocab_size),
+    }
+    for what, (head, model) in found.items():
+        if head != model:
+            raise ConfigError(
+                f"{where} is an EAGLE-3 head for a target of {what} {head}, but this model has {model}: "
+                "give a head trained for this model."
+            )
+    if max(cfg.aux_layer_ids) > m.num_layers:
+        raise ConfigError(
+            f"{where} reads the target's hidden states {cfg.aux_layer_ids}, but this model has "
+            f"{m.num_layers} layers (ids 0..{m.num_layers}): give a head trained for this model."
+        )
+
+
+def check(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=None) -> None:
+    """A head directory is named and fits the model (read from its config, before any weights load)."""
+    if cfg.drafter is None:
+        raise ConfigError(
+            "decoder 'eagle3' needs decoder.drafter: the directory of an EAGLE-3 head trained for this model "
+            "(fastdecode.drafters.eagle3.files.save_eagle3, or a speculators / SpecForge checkpoint)."
+        )
+    if Eagle3Options.of(cfg).tree and cfg.chain:
+        raise ConfigError(
+            "decoder.eagle3.tree=true drafts token trees, which a chain (decoder.chain=true) does not draft: "
+            "set decoder.chain=false or decoder.eagle3.tree=false."
+        )
+    check_head(read_eagle3_config(cfg.drafter), m, cfg.drafter)
+
+
+def load_head(path: str, m: EarlyExitModel) -> Eagle3Head:
+    """The head in ``path`` on ``m``'s device and dtype, in eval mode; loaded once per model and version of
+    its files. After ``check_head``."""
+    folder = Path(path)
+
+    def load() -> Eagle3Head:
+        head, cfg = load_eagle3(folder)
+        check_head(cfg, m, path)
+        return head.to(device=m.device, dtype=m.dtype).eval().requires_grad_(False)
+
+    files = [folder / CONFIG_FILE, folder / WEIGHTS_FILE]
+    return _LOADED.get(files, load, key=(str(m.device), str(m.dtype)), owner=m)
+
+
+def head_token_cost(costs: CostModel, m: EarlyExitModel, head: Eagle3Head) -> float:
+    """One drafted token (a head forward, its draft-vocabulary softmax and argmax), in plain decoding steps:
+    timed on the model with a measured cost model (``measure_head``), else by weights read: the layer and
+    ``fc`` as blocks of the target, the ``lm_head`` as the target's head over the draft vocabulary's rows."""
+    if costs.source == "measured" and costs.step_seconds:
+        return measure_head(m, head, batch=costs.batch) / costs.step_seconds
+    layer = sum(p.numel() for name, p in head.named_parameters() if not name.startswith("lm_head"))
+    return costs.draft_token(
+        0, head_rows=head.config.draft_vocab_size, extra_blocks=layer / block_parameters(m)
+    )
+
+
+@torch.inference_mode()
+def measure_head(
+    m: EarlyExitModel, head: Eagle3Head, *, batch: int = 1, repeats: int = HEAD_REPEATS
+) -> float:
+    """Seconds of one drafted token as ``Eagle3Proposer`` drafts it: a row added to ``HeadRows`` (the head
+    run as the model's engine runs linears) attending to ``PROBE_CONTEXT`` earlier rows, then its argmax over
+    the draft vocabulary mapped to a target id; the least of ``repeats`` timings after an untimed one. Kept
+    on the model per head shape, dtype, batch, thread count, device and engine (the weights' values do not
+    change it)."""
+    cfg, engine = head.config, m.engine
+    key = (
+        "eagle3_draft",
+        repr(cfg),
+        str(head.fc.weight.dtype),
+        batch,
+        torch.get_num_threads(),
+        str(m.device),
+        engine.options.build_key if engine is not None else None,
+    )
+    if key not in m.measurements:
+        device, dtype, context = m.device, head.fc.weight.dtype, PROBE_CONTEXT
+        rows = HeadRows(m, head, batch, context + 1)
+        features = torch.randn(batch, context, FEATURES * cfg.target_hidden_size, device=device, dtype=dtype)
+        tokens = torch.randint(cfg.vocab_size, (batch, context + 1), device=device)
+        positions = torch.arange(context + 1, device=device)[None].expand(batch, -1)
+        on = torch.ones(batch, context + 1, dtype=torch.bool, device=device)
+        _, hidden = rows.add(tokens[:, :context], features, positions[:, :context], on[:, :context])
+
+        def draft() -> None:
+            logits, _ = rows.add(tokens[:, context:], hidden[:, -1:], positions[:, context:], on[:, context:])
+            rows.crop(context)
+            head.draft_to_target(logits[:, -1].argmax(-1))
+
+        seconds = [timed(("eagle3_draft",), draft, device) for _ in range(repeats + 1)]
+        m.measurements[key] = min(seconds[1:])
+    return m.measurements[key]
+
+
+def build(s: Setup) -> Eagle3Proposer:
+    """The proposer of the head ``s.cfg.drafter`` names."""
+    head = load_head(s.cfg.drafter, s.m)
+    cost = head_token_cost(s.costs, s.m, head)
+    return Eagle3Proposer(s.m, head, s.cfg, s.generator, costs=s.costs, head_cost=cost)
+
+
+def offers(p: PlanInputs) -> list[Offer]:
+    """The head given with the model (``PlanInputs.drafter``) when its directory records its acceptance."""
+    if p.drafter is None:
+        return []
+    record = read_record(p.drafter)
+    found = record.find(NAME) if record is not None else []
+    if not found:
+        return []
+    cfg = read_eagle3_config(p.drafter)
+    check_head(cfg, p.m, p.drafter)
+    token = head_token_cost(p.costs, p.m, load_head(p.drafter, p.m))
+    options = {"drafter": str(p.drafter), "exit_layer": None, "adapter": None, "draft_vocab": None}
+    d = found[0]  # a round of k drafts: k head passes (``Eagle3Proposer.round_cost``) and the verification;
+    # a round prompt lookup drafted in a chain: one head pass (``Eagle3Proposer.ride_cost``)
+    return [Offer(NAME, options, d.acceptance, token, 0, None, d.tokens_per_round, ride_cost=token)]
+
+
+KIND = ProposerKind(NAME, build, check=check, chainable=True, offers=offers)
+generate = KIND.generate

@@ -1,0 +1,209 @@
+"""The parts of an EAGLE-3 head (Li et al., 2025): RMSNorm, Llama rotary positions, the head's keys and
+values (``Eagle3KV`` for training, a list of blocks autograd can follow; decoding passes a
+``fastdecode.runtime.cache.KVCache`` of one layer instead) and its one decoder layer (``Eagle3Layer``), written
+here rather than borrowed from Hugging Face, so the head needs no model internals (``fastdecode/drafters/eagle3/model.py``
+assembles them).
+
+The decoder layer differs from a Llama layer in one place: its q/k/v projections read ``2H`` inputs,
+``cat([input_layernorm(embedding), hidden_norm(fused)])``, and the residual stream starts from the fused
+feature (normed with ``norm_before_residual``, raw otherwise). The parameter names are those of the
+checkpoints of vllm-project/speculators (``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``,
+``input_layernorm``, ``hidden_norm``, ``post_attention_layernorm``).
+
+Attention contract (``Eagle3Layer.forward``): the ``T`` new positions attend to every key already in ``kv``
+(``S`` of them) and causally to each other, unless ``attn_mask`` says otherwise: a bool ``[T, S + T]`` or
+``[B, 1, T, S + T]`` mask, True where a query may attend, over ``cat(kv keys, new keys)``. The new keys
+and values are appended to ``kv`` when one is given. Grouped-query heads attend through
+``scaled_dot_product_attention(enable_gqa=True)`` (no repeated keys). The training-time test unroll builds its
+mask with ``ttt_mask``; chain drafting uses the default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdecode.runtime.cache import KVCache
+from fastdecode.runtime.engine import rms_norm
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, computed in fp32 and cast back (Llama's RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., dim]`` -> ``[..., dim]`` (``engine.rms_norm``, the project's one RMSNorm)."""
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The standard Llama rotary tables for ``position_ids [B, T]`` -> ``(cos, sin)``, each
+    ``[B, 1, T, head_dim]`` (no scaling variant: ``Eagle3Config`` refuses those)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
+    freqs = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, heads, T, D]`` by the tables of ``rope_cos_sin`` (the half-split convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class Eagle3KV:
+    """The head's keys and values so far, as blocks in the order they were written.
+
+    ``keys[i]``/``values[i]``: ``[B, num_key_value_heads, S_i, head_dim]``, keys already rotated. A forward
+    appends one block per call (``update``: the protocol of ``fastdecode.runtime.cache.KVCache``, which decoding
+    passes instead: preallocated, rolled back by a length pointer); ``len(kv)`` is the total ``S``.
+    ``crop(n)`` keeps the first ``n`` positions (a rollback after a verification rejected the rest).
+    """
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return sum(k.shape[2] for k in self.keys)
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, layer_idx: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``k``/``v`` ``[B, Hkv, T, D]``; return every key and value so far, ``[B, Hkv, S, D]``."""
+        self.keys.append(k)
+        self.values.append(v)
+        return self.concatenated()
+
+    def concatenated(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(K, V)``, each ``[B, Hkv, S, D]``, or None while empty."""
+        if not self.keys:
+            return None
+        return torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions (``0 <= length <= len(self)``)."""
+        if not 0 <= length <= len(self):
+            raise ValueError(f"cannot crop {len(self)} cached positions to {length}")
+        both = self.concatenated()
+        if both is None or length == len(self):
+            return
+        self.keys, self.values = [both[0][:, :, :length]], [both[1][:, :, :length]]
+
+
+def causal_mask(new: int, past: int, device: torch.device | None = None) -> torch.Tensor:
+    """bool ``[new, past + new]``: every past key, and the new keys up to the query's own position."""
+    cols = torch.arange(past + new, device=device)
+    rows = torch.arange(new, device=device)[:, None]
+    return cols[None, :] <= rows + past
+
+
+def ttt_mask(length: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+    """The training-time test mask of unroll step ``step`` over sequences of ``length`` positions.
+
+    bool ``[length, (step + 1) * length]``, keys being the blocks written at steps ``0..step`` (each
+    ``length`` long, in that order): the block of step 0 causally (position ``t`` sees ``t' <= t``), every
+    later block only at ``t`` itself (the chain of the head's own earlier guesses for that position).
+    Packed sequences AND block 0 with their document mask.
+    """
+    eye = torch.eye(length, dtype=torch.bool, device=device)
+    return torch.cat([causal_mask(length, 0, device), *([eye] * step)], dim=1)
+
+
+class Eagle3Attention(nn.Module):
+    """Grouped-query attention whose q/k/v read ``2H`` inputs; no biases."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: Eagle3KV | KVCache | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``x [B, T, 2H]`` -> ``[B, T, H]`` under the module docstring's contract."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv is not None:
+            k, v = kv.update(k, v, 0)
+        if attn_mask is None:
+            attn_mask = causal_mask(t, k.shape[2] - t, x.device)
+        if attn_mask.shape[-2:] != (t, k.shape[2]):
+            raise ValueError(f"attn_mask {tuple(attn_mask.shape)} does not end in [{t}, {k.shape[2]}]")
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, enable_gqa=self.kv_heads != self.heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``: the Llama MLP."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., H]`` -> ``[..., H]``."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    """The head's one decoder layer (see the module docstring)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        *,
+        eps: float,
+        norm_before_residual: bool,
+    ) -> None:
+        super().__init__()
+        self.norm_before_residual = norm_before_residual
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = Eagle3Attention(hidden, heads, kv_heads, head_dim)
+        self.mlp = SwiGLU(hidden, intermediate)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: Eagle3KV | KVCache | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``embeds [B, T, H]``, ``hidden [B, T, H]`` (fused feature or the head's own output) -> the
+        residual stream after the layer, ``[B, T, H]`` (before the head's final norm)."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        x = residual + self.self_attn(x, rope, kv, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))

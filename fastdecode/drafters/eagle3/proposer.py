@@ -1,0 +1,245 @@
+"""The EAGLE-3 proposer (Li et al., 2025): a one-layer head (``fastdecode/drafters/eagle3/model.py``) drafts a chain from the
+target features the verification has just computed.
+
+Alignment (the training's, ``eagle3_train/losses.py``): the head's row for the token ``x_p`` at position
+``p`` reads the target's embedding of ``x_p`` and the target's features at ``p - 1`` (``aux_layer_ids``,
+captured by the verification: ``Proposer.feature_layers``, ``speculative.run_capturing``), at RoPE position
+``p``; its logits predict ``x_{p+1}``. Position 0 has no row. Later draft steps feed the head's own output
+hidden state with the embedding of the token just drafted, at ``p + 1``, attending causally to every earlier
+head row: plain causal attention over the head's keys in position order is the training-time-test mask.
+
+Slots: the head's keys and values (``HeadRows``: a one-layer ``KVCache``) follow the target cache's slot
+layout, with a validity mask of their own (left padding, position 0, the holes ragged rollbacks leave). The head
+runs as the target's engine runs linears (``Engine.packed``: packed kernels, planned per shape). One round,
+``t`` the last accepted token at slot ``s`` (``Round.start``)::
+
+    propose: drafts d1..dk from the row of t at slot s (written by the last ``update``; after the prefill
+             or a chain's own draft, computed here from the features of the token before t) and from rows
+             of the head's own hidden states at s+1.., which are then cropped (they read no target features)
+    verify:  the target scores [t, d1..dk] and hands over its features there (``Draft.features``)
+    update:  in one head pass, rows of the kept drafts d1..d_a at s+1..s+a with the real features of t,
+             d1..d_{a-1} (rows that kept fewer than the batch's longest get holes, as in the target's
+             cache) and the row of the verifier's token after them with the features of d_a: the next
+             round's first draft. A round of k drafts thus costs k head passes (a dynamic policy's stop is
+             read before the next row's pass, which a stopped draft never needs).
+
+With ``decoder.eagle3.tree=true`` propose drafts EAGLE-2's dynamic token tree instead of the chain
+(``propose_tree``, ``eagle3_tree.py``): its rows are cropped the same way, and ``update`` receives the draft
+the loop linearised along the accepted branch, so it writes that branch's rows exactly as for a chain.
+
+Drafts score the head's draft vocabulary, mapped to target ids (``d2t``); when sampling, q is the head's
+distribution after the target's logits processing, zero outside that vocabulary: lossless.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastdecode.decoding.common import Prefill, left_pad
+from fastdecode.decoding.config import DecodeConfig
+from fastdecode.decoding.policies import LaggedFlag
+from fastdecode.decoding.proposers import Proposer, one_hot, pick_token
+from fastdecode.decoding.speculative import Draft, Round, Verdict, run_capturing
+from fastdecode.drafters.eagle3.layer import causal_mask
+from fastdecode.drafters.eagle3.model import Eagle3Head
+from fastdecode.drafters.eagle3.options import Eagle3Options
+from fastdecode.drafters.eagle3.tree import grow, node_budget
+from fastdecode.plan.cost import CostModel
+from fastdecode.runtime.cache import KVCache
+from fastdecode.runtime.model import EarlyExitModel
+
+
+class HeadRows:
+    """The head's rows in the target cache's slot layout: a one-layer ``KVCache`` of ``batch`` rows and
+    ``capacity`` slots (its ``key_valid``: which slots hold a row; rollback: its length pointer). ``m``: the
+    target (its embedding, its position limit); ``head`` runs as the target's engine runs linears
+    (``Engine.packed``: packed kernels with ``fast_linear``)."""
+
+    def __init__(self, m: EarlyExitModel, head: Eagle3Head, batch: int, capacity: int) -> None:
+        self.m = m
+        self.head = m.engine.packed(head) if m.engine is not None else head
+        cfg = head.config
+        self.cache = KVCache(1, batch, cfg.num_key_value_heads, cfg.head_dim, capacity, m.dtype, m.device)
+
+    def __len__(self) -> int:
+        return self.cache.lengths[0]
+
+    def add(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for ``tokens [B, T]`` at the next ``T`` slots: ``hidden [B, T, F*H]`` target features (of the
+        positions before) or ``[B, T, H]`` the head's own output; ``positions [B, T]``; ``valid [B, T]``
+        bool: rows later queries may attend to; ``mask`` bool ``[B, 1, T, past + T]``: the keys each row
+        attends to (default: the valid earlier rows and causally the new ones; a token tree's rows pass
+        their ancestors', ``eagle3_tree.tree_keys``). -> ``(logits [B, T, S], hidden [B, T, H])``."""
+        past, steps = len(self), tokens.shape[1]
+        self.cache.reserve(valid, past, positions)
+        keys = mask
+        if keys is None:
+            valid_keys = self.cache.key_valid[:, None, None, : past + steps]
+            keys = valid_keys & causal_mask(steps, past, tokens.device)  # [B, 1, T, past + T]
+            # a query whose row is invalid still sees its own key (never a query with no key)
+            keys[..., past:] |= torch.eye(steps, dtype=torch.bool, device=tokens.device)
+        pos = positions.clamp(max=self.m.config.max_position_embeddings - 1)
+        return self.head(self.m.token_embed(tokens), hidden, pos, self.cache, keys)
+
+    def crop(self, slots: int) -> None:
+        """Keep the first ``slots`` slots (drop the rows drafting wrote)."""
+        self.cache.crop(slots)
+
+
+class Eagle3Proposer(Proposer):
+    """Drafts with ``head`` (an ``Eagle3Head`` on the target's device and dtype) over its draft vocabulary;
+    ``head_cost``: one head forward in plain decoding steps of the target (``fastdecode/plan/cost.py``)."""
+
+    name = "eagle3"
+
+    def __init__(
+        self,
+        m: EarlyExitModel,
+        head: Eagle3Head,
+        cfg: DecodeConfig,
+        generator: torch.Generator,
+        *,
+        costs: CostModel,
+        head_cost: float = 0.0,
+    ) -> None:
+        self.m, self.head, self.cfg, self.generator, self.costs = m, head, cfg, generator, costs
+        self.head_cost = head_cost
+        self.feature_layers = tuple(head.config.aux_layer_ids)
+        draft_ids = torch.arange(head.config.draft_vocab_size, device=m.device)
+        self.vocab = head.draft_to_target(draft_ids)  # [S] target ids of the head's columns
+        self.head_rows: HeadRows | None = None  # built by ``start``
+        self.prev: torch.Tensor | None = None  # [B, F*H]: features of the token before each row's last
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the row of the next round's t
+        self.retired = False
+        self.flag = LaggedFlag(m.device)
+
+    def start(self, m: EarlyExitModel, prompts: list[list[int]], capacity: int) -> Prefill:
+        """Prefill the target, capturing the prompt's features, and the head's rows for the prompt."""
+        ids, valid, positions = left_pad(prompts, m.device)
+        batch, width = ids.shape
+        cache = m.new_cache(batch, max(capacity, width))
+        cache.reserve(valid, 0, positions)
+        hidden, features = run_capturing(
+            m, m.embed(ids, positions), 0, positions, cache, layers=self.feature_layers
+        )
+        self.head_rows = HeadRows(m, self.head, batch, cache.capacity)  # (a chain may have retired it: kept)
+        before = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)  # features at p - 1
+        self.head_rows.add(ids, before, positions, valid & (positions > 0))
+        self.prev, self.pending = features[:, -1], None
+        lengths = torch.tensor([len(p) for p in prompts], device=m.device)
+        return Prefill(cache, lengths, m.exit_logits(hidden[:, -1]))
+
+    def last_row(self, r: Round) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row of ``r.last`` at slot ``r.start``, from the features of the token before it."""
+        on = torch.ones_like(r.active)[:, None]
+        return self.head_rows.add(r.last[:, None], self.prev[:, None], r.positions[:, None], on)
+
+    # -- drafting -----------------------------------------------------------------------------------------
+    def propose(self, r: Round) -> Draft:
+        """Drafts up to ``r.limit`` tokens. A dynamic policy's stop flag is read before the next row's pass:
+        unlike a self-speculative draft, whose last token must pass the draft layers anyway, that pass is
+        wasted when the draft stops (``update`` writes the kept rows from the target's features)."""
+        passes = 1  # this round's ``update`` pass (which also writes the next round's row of t)
+        if self.pending is None:
+            self.pending, passes = self.last_row(r), passes + 1
+        (logits, hidden), self.pending = self.pending, None
+        if Eagle3Options.of(self.cfg).tree and r.limit > 0:
+            return self.propose_tree(r, logits, hidden, passes)
+        rows, cfg, policy, flag = self.head_rows, self.cfg, self.policy, self.flag
+        base, tokens, probs = len(rows), [], []
+        on = torch.ones_like(r.active)[:, None]
+        flag.reset()
+        for i in range(r.limit):
+            if i:  # the row of the token just drafted, on the head's own hidden state
+                if not flag.read():
+                    break
+                logits, hidden = rows.add(tokens[-1][:, None], hidden, (r.positions + i)[:, None], on)
+                passes += 1
+            token, q, confidence = pick_token(
+                logits[:, -1],
+                cfg,
+                generator=self.generator,
+                vocab=self.vocab,
+                vocab_size=self.m.vocab_size,
+                want_probs=policy.dynamic,
+            )
+            tokens.append(token)
+            probs.append(q)
+            if policy.dynamic:
+                flag.push(policy.keep_drafting(confidence, r.active))
+        rows.crop(base)
+        batch, live = r.last.shape[0], int(r.active.sum())
+        drafted = torch.stack(tokens, 1) if tokens else r.last.new_zeros(batch, 0)
+        q_all = None
+        if not cfg.greedy:
+            empty = torch.zeros(batch, 0, self.m.vocab_size, device=r.last.device)
+            q_all = torch.stack(probs, 1) if probs else empty
+        return Draft(drafted, q_all, None, layers_run=passes * live, layer_calls=passes)
+
+    def propose_tree(self, r: Round, logits: torch.Tensor, hidden: torch.Tensor, passes: int) -> Draft:
+        """An EAGLE-2 dynamic tree from t's row ``(logits [B, 1, S], hidden [B, 1, H])``
+        (``eagle3_tree``); the head's cache is cropped back to where it stood."""
+        rows, batch, live = self.head_rows, r.last.shape[0], int(r.active.sum())
+        base, top_k = len(rows), min(Eagle3Options.of(self.cfg).top_k, self.vocab.numel())
+        pool, grown = grow(rows, (logits, hidden), r.positions, self.vocab, levels=r.limit, top_k=top_k)
+        rows.crop(base)
+        width = min(r.limit, pool.size)
+        if self.policy.cost_aware:
+            width = node_budget(torch.cat(pool.scores, 1), r.active, self.costs, width)
+        calls, run = passes + grown, (passes + grown * top_k) * live
+        if width == 0:  # no tree pays for its verification: a plain step (an empty chain)
+            empty = r.last.new_zeros(batch, 0)
+            probs = None if self.cfg.greedy else one_hot(empty, self.m.vocab_size)
+            return Draft(empty, probs, None, layers_run=run, layer_calls=calls)
+        drafted, parents, _ = pool.best(width)
+        tokens = self.vocab[drafted]
+        probs = None if self.cfg.greedy else one_hot(tokens, self.m.vocab_size)
+        return Draft(tokens, probs, None, parents=parents, layers_run=run, layer_calls=calls)
+
+    def absorb(self, r: Round, tokens: torch.Tensor, lengths: list[int], source: str) -> Draft:
+        """A deterministic draft made elsewhere: the head still writes the row of ``r.last``."""
+        if not self.retired and self.pending is None:
+            self.last_row(r)
+        self.pending = None
+        probs = None if self.cfg.greedy else one_hot(tokens, self.m.vocab_size)
+        return Draft(tokens, probs, list(lengths), sources=[source] * len(lengths))
+
+    def retire(self) -> None:
+        """A chain stopped its drafts for the rest of the call: the head's rows are not kept any more."""
+        self.retired = True
+
+    def update(self, r: Round, draft: Draft, verdict: Verdict, done) -> None:
+        """Rows of the kept drafts with the features the verification computed (module docstring)."""
+        if self.retired:
+            return
+        features = draft.features  # [B, k+1, F*H] at [t, d1..dk]
+        device = features.device
+        kept = torch.tensor(done.kept, device=device)
+        longest = max(done.kept)
+        self.prev = features[torch.arange(features.shape[0], device=device), kept]  # [B, F*H]
+        offsets = torch.arange(longest, device=device)
+        tokens = torch.cat([draft.tokens[:, :longest], verdict.next_token[:, None]], 1)  # [B, longest + 1]
+        hidden = torch.cat([features[:, :longest], self.prev[:, None]], 1)
+        positions = torch.cat([r.positions[:, None] + 1 + offsets, (r.positions + kept + 1)[:, None]], 1)
+        valid = torch.cat(
+            [offsets[None, :] < kept[:, None], torch.ones_like(kept, dtype=torch.bool)[:, None]], 1
+        )
+        logits, out = self.head_rows.add(tokens, hidden, positions, valid)
+        self.pending = (logits[:, -1:], out[:, -1:])
+
+    def token_cost(self) -> float:
+        return self.head_cost
+
+    def ride_cost(self) -> float:
+        return self.head_cost  # ``update`` writes the kept tokens' rows: one head pass
+
+    def round_cost(self, drafted: int) -> float:
+        # one head pass per drafted token: the first is the last round's catch-up pass (``update``)
+        return self.costs.round_cost(drafted, self.head_cost, 0)

@@ -1,0 +1,167 @@
+"""The indexes suffix decoding drafts from besides a row's own text (``suffix.py``): the process-wide global
+index over earlier outputs, and a corpus index read from a file.
+
+- Global (SuffixDecoding, Oliaro et al., NeurIPS 2025: the "global tree"; Snowflake ArcticInference): the
+  outputs of this process's earlier ``suffix`` calls on the same model, at most ``decoder.suffix.global_size``
+  of them (the oldest evicted first). Held per model (weakly, on the Hugging Face module: a model that goes
+  away takes its index with it), per index shape (depth, size, EOS ids, EOS rule) and per ``global_scope``
+  (a benchmark gives each method its own), so two models never share one. A call reads it and, when it
+  ends, adds each row's output (``remember``). ``reset_global_index`` empties it: a benchmark must, after
+  warm-up and before each pass over its prompts, so no prompt's own answer is in it when that prompt is
+  decoded (``fastdecode/bench/measure.py``).
+- Corpus: a suffix index file built once (``fastdecode-suffix-index``, ``fastdecode/drafters/suffix/index_file.py``),
+  read only, loaded once per file version (``fastdecode/files/file_cache.py``). The decoder sees the model, not its
+  tokenizer: it refuses a file built for a larger vocabulary than the model's or holding a token id the model
+  does not have; callers that hold the tokenizer (``fastdecode.api``, the speed benchmark) also require its
+  fingerprint (``tokenizer_fingerprint``'s vocabulary hash) to equal the file's, so a file built with another
+  tokenizer of the same size is refused too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastdecode.drafters.suffix.index import SuffixIndex
+from fastdecode.drafters.suffix.index_file import (
+    SuffixIndexFingerprintError,
+    canonical,
+    load_index,
+    read_header,
+)
+from fastdecode.files.file_cache import FileCache
+from fastdecode.runtime.identity import tokenizer_fingerprint
+from fastdecode.runtime.model import EarlyExitModel
+
+if TYPE_CHECKING:  # the options module checks corpora with this one
+    from fastdecode.drafters.suffix.options import SuffixOptions
+
+_GLOBAL: weakref.WeakKeyDictionary[Any, dict[tuple, SuffixIndex]] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+_IDS = itertools.count()
+_CORPUS = FileCache(maxsize=4)  # per file version, EOS ids and EOS rule
+_CARRIED: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+_SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("suffix_global_scope", default=None)
+
+
+@contextlib.contextmanager
+def global_scope(name: str | None) -> Iterator[None]:
+    """Calls inside use the global indexes of scope ``name`` (None: the process's shared one)."""
+    token = _SCOPE.set(name)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def corpus_fingerprint(tokenizer: Any) -> dict:
+    """What a corpus index records of the tokenizer that made its token ids: the vocabulary's size and hash
+    (``identity.tokenizer_fingerprint`` without the name, which depends on the path it was loaded from)."""
+    found = tokenizer_fingerprint(tokenizer)
+    return {"vocab_size": found["vocab_size"], "vocab_hash": found["vocab_hash"]}
+
+
+def global_index(m: EarlyExitModel, options: SuffixOptions, stop: Iterable[int]) -> SuffixIndex | None:
+    """The global index of ``m`` for these options (created empty), None with ``global_size=0``."""
+    if options.global_size == 0:
+        return None
+    stop = frozenset(int(t) for t in stop)
+    key = (_SCOPE.get(), options.max_depth, options.global_size, stop, options.eos)
+    with _LOCK:
+        indexes = _GLOBAL.setdefault(m.hf, {})
+        if key not in indexes:
+            indexes[key] = SuffixIndex(
+                options.max_depth, max_sequences=options.global_size, stop=stop, eos=options.eos
+            )
+        return indexes[key]
+
+
+def remember(
+    m: EarlyExitModel, options: SuffixOptions, stop: Iterable[int], outputs: list[list[int]]
+) -> None:
+    """Add each row's ``outputs`` (a finished call's new tokens) to the global index of ``m``."""
+    index = global_index(m, options, stop)
+    if index is None:
+        return
+    with _LOCK:
+        for tokens in outputs:
+            if tokens:
+                index.add(next(_IDS), tokens)
+
+
+def carried(m: EarlyExitModel, name: str, make: Callable[[], Any]) -> Any:
+    """A per-model, per-``global_scope`` object of this process that calls carry on (``make()`` the first
+    time): suffix decoding's calibration, so acceptance learnt on this workload outlives one call. Statistics,
+    not text: ``reset_global_index`` leaves it (no answer can leak through it)."""
+    key = (_SCOPE.get(), name)
+    with _LOCK:
+        states = _CARRIED.setdefault(m.hf, {})
+        if key not in states:
+            states[key] = make()
+        return states[key]
+
+
+def reset_global_index() -> None:
+    """Empty every global index of this process (every model's)."""
+    with _LOCK:
+        _GLOBAL.clear()
+
+
+def global_sizes() -> dict[int, int]:
+    """Sequences held per global index (by ``id`` of the index), for tests and reports."""
+    with _LOCK:
+        return {id(index): len(index) for indexes in _GLOBAL.values() for index in indexes.values()}
+
+
+def _load(path: Path, stop: frozenset[int], eos: str) -> tuple[Any, SuffixIndex, int]:
+    header, _ = read_header(path)  # a foreign or other-version file fails here, by name
+    index = load_index(path, fingerprint=header.get("fingerprint"), stop=stop, eos=eos)
+    largest = max((max(tokens) for tokens in index.tokens.values() if tokens), default=-1)
+    return header.get("fingerprint"), index, largest
+
+
+def corpus_of(m: EarlyExitModel, options: SuffixOptions, stop: Iterable[int]) -> SuffixIndex | None:
+    """The corpus index ``decoder.suffix.corpus`` names (``corpus_index``: loaded once per file version,
+    checked against ``m``), None without one."""
+    if options.corpus is None:
+        return None
+    return corpus_index(options.corpus, m, stop=stop, eos=options.eos)
+
+
+def corpus_index(
+    path: str | os.PathLike,
+    m: EarlyExitModel,
+    *,
+    stop: Iterable[int] = (),
+    eos: str = "before",
+    fingerprint: dict | None = None,
+) -> SuffixIndex:
+    """The corpus index in the file ``path``, loaded once per file version, checked against ``m``'s
+    vocabulary and, when given, the ``fingerprint`` (``corpus_fingerprint``) of the tokenizer decoding uses.
+    A damaged, foreign or other-version file raises its ``SuffixIndexError`` subclass."""
+    path = Path(path)
+    stop = frozenset(int(t) for t in stop)
+    if not path.is_file():
+        read_header(path)  # raises NotASuffixIndexError, which says how to build one
+    found, index, largest = _CORPUS.get([path], lambda: _load(path, stop, eos), key=(stop, eos))
+    where = f"decoder.suffix.corpus={str(path)!r}"
+    size = found.get("vocab_size") if isinstance(found, dict) else None
+    if not isinstance(size, int) or size > m.vocab_size or largest >= m.vocab_size:
+        raise SuffixIndexFingerprintError(
+            f"{where} was built for another vocabulary (fingerprint {found!r}, token ids up to {largest}) "
+            f"than this model's {m.vocab_size} ids: rebuild it with fastdecode-suffix-index and this model's "
+            "tokenizer."
+        )
+    if fingerprint is not None and canonical(found) != canonical(fingerprint):
+        raise SuffixIndexFingerprintError(
+            f"{where} was built for another tokenizer (fingerprint {found!r}, not {fingerprint!r}): its token "
+            "ids mean other text. Rebuild it with fastdecode-suffix-index and this model's tokenizer."
+        )
+    return index

@@ -1,0 +1,260 @@
+"""What pays on a model: the exit and draft length a checkpoint recommends (``choose_exit``) and the plan of
+lossless decoders ``auto`` runs (``plan_decoding``), both from the cost model (``fastdecode/plan/cost.py``) and the
+acceptance a checkpoint records (``fastdecode/plan/acceptance.py``).
+
+The LayerSkip and exit-adapter recipes choose their exit here, their closing speed tables run the plan,
+``eval/exits.py`` recommends with it, ``eval/speed.py``'s ``auto`` row and
+``fastdecode.from_pretrained(...).generate`` run the plan's first candidate.
+
+Every kind of drafter that can be planned (``fastdecode.decoding.PROPOSERS``, ``ProposerKind.offers``) offers
+the drafters it can run on the model, each with the options that select it, its recorded acceptance and its
+cost. The plan prices each: the draft length K with the most tokens per cost (``price``), then
+
+1. prompt lookup alone: free to draft, a row with no match pays nothing; expected to gain ``LOOKUP_PRIOR``'s
+   speedup on this machine's costs (the text decides: outputs that copy their input gain most);
+2. prompt lookup chained before a chainable drafter that pays on its own (``MIN_SPEEDUP``): rows draft by
+   lookup where their text matches and through the drafter elsewhere, so it gains over lookup alone exactly
+   where lookup alone takes plain steps (``chain_speedup``); the chain's judge retires the drafter within a
+   call where the text makes it stop paying (``ngram.ChainProposer``);
+3. a drafter that cannot be chained, alone.
+
+Given a corpus of the model's own answers (``generate(corpus=)``, ``eval/speed.py corpus=``), ``with_corpus``
+puts suffix decoding in prompt lookup's place, alone and as a chain's first stage.
+
+Candidates are ranked by expected speedup; a drafter not expected to pay is reported in ``not_paying`` with its
+numbers, never run. A candidate's ``options`` are every option it was priced with: ``auto`` runs exactly them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from fastdecode.decoding.kinds import Offer, PlanInputs, ProposerKind
+from fastdecode.plan.acceptance import AcceptanceRecord
+from fastdecode.plan.cost import CostModel, exit_draft_cost, expected_tokens
+from fastdecode.registry import PROPOSERS
+from fastdecode.runtime.model import EarlyExitModel
+
+MAX_DRAFT = 8  # the longest draft considered
+MIN_SPEEDUP = 1.05  # a drafter is planned (an exit recommended) only if the cost model expects at least this
+LOOKUP_DRAFT = 6  # the most tokens a prompt-lookup draft may have (the cost-aware cut shortens each one)
+# Every option a candidate sets, so that nothing else (a checkpoint's defaults) can change what was priced.
+PLAN_OWNED = ("exit_layer", "adapter", "draft_vocab", "chain", "policy", "draft_tokens")
+LOOKUP_OPTIONS = {
+    "exit_layer": None,
+    "adapter": None,
+    "draft_vocab": None,
+    "chain": False,
+    "policy": "adaptive",
+    "draft_tokens": LOOKUP_DRAFT,
+}
+
+
+@dataclass(frozen=True)
+class LookupPrior:
+    """Prompt lookup's rounds on text it was not tuned on: the share of rounds with a draft (``drafted``), the
+    tokens such a round yields (``tokens``, the verifier's own included) and the tokens it drafts
+    (``width``). Measured by replaying SmolLM2-135M-Instruct's greedy answers to ShareGPT training prompts
+    (``fastdecode-lookup-replay``, docs/BENCHMARKS.md) under the 1-thread cost model of a quiet machine: the
+    adaptive cut drafts longer where verification is cheaper, so ``width`` belongs to that cost model."""
+
+    drafted: float
+    tokens: float
+    width: float
+
+    def speedup(self, costs: CostModel, fallback: float = 1.0, ride: float = 0.0) -> float:
+        """Expected speedup over plain decoding; with a ``fallback`` drafter (its own speedup) drafting the
+        rounds without a lookup draft (a chain): those rounds' tokens then take 1/fallback of the time, and
+        the lookup rounds ``ride`` more (what the fallback drafter costs there, ``Offer.ride_cost``)."""
+        q = self.drafted
+        tokens = q * self.tokens + (1 - q)
+        return tokens / (q * (costs.verify(round(self.width) + 1) + ride) + (1 - q) / fallback)
+
+
+LOOKUP_PRIOR = LookupPrior(drafted=0.486, tokens=1.964, width=4.386)
+
+
+def tokens_per_round(offer: Offer, k: int) -> float:
+    """Tokens a round of ``k`` drafts yields: replayed when recorded, else i.i.d. from the acceptance."""
+    if k in offer.tokens_per_round:
+        return offer.tokens_per_round[k]
+    return expected_tokens([offer.acceptance or 0.0] * k)
+
+
+def price(offer: Offer, costs: CostModel, max_draft: int = MAX_DRAFT) -> tuple[int, float]:
+    """``(K, expected speedup)`` of ``offer`` alone at the draft length with the most tokens per cost."""
+    best = (0, 0.0)
+    for k in range(1, max_draft + 1):
+        speedup = tokens_per_round(offer, k) / offer.cost(costs, k)
+        if speedup > best[1]:
+            best = (k, speedup)
+    return best
+
+
+def choose_exit(
+    agreement: dict[int, float],
+    costs: CostModel,
+    *,
+    draft_costs: dict[int, float] | None = None,
+    rounds: dict[int, dict[int, float]] | None = None,
+    max_draft: int = MAX_DRAFT,
+    min_speedup: float = MIN_SPEEDUP,
+) -> dict:
+    """The exit E and draft length K with the best expected self-speculation speedup.
+
+    ``agreement[E]``: the greedy acceptance of drafts from exit E; ``rounds[E][K]``: the tokens a round of K
+    drafts yields there, replayed (``fastdecode.plan.acceptance``; else i.i.d. from the agreement);
+    ``draft_costs[E]``: one drafted token's cost at E in plain steps (``exit_draft_cost``; default: E blocks
+    and the full head). Returns ``exit: None`` when no exit is expected to gain ``min_speedup``, with the best
+    pair found (even a slowdown) as ``best_found``; ``costs`` says which cost model decided.
+    """
+    best = {"exit": None, "draft": 0, "expected_speedup": 0.0}
+    for exit_, alpha in agreement.items():
+        exit_ = int(exit_)
+        if not 1 <= exit_ < costs.num_layers:
+            continue
+        token = (draft_costs or {}).get(exit_, costs.draft_token(exit_))
+        found = (rounds or {}).get(exit_) or {}
+        offer = Offer("exit", {}, float(alpha), token, exit_, exit_, {int(k): v for k, v in found.items()})
+        k, speedup = price(offer, costs, max_draft)
+        if speedup > best["expected_speedup"]:
+            best = {"exit": exit_, "draft": k, "expected_speedup": speedup}
+    if best["expected_speedup"] < min_speedup:
+        best = {"exit": None, "draft": 0, "expected_speedup": 1.0, "best_found": best}
+    return best | {"costs": costs.source}
+
+
+def adapter_draft_costs(costs: CostModel, m: EarlyExitModel, adapters: dict, vocab=None) -> dict[int, float]:
+    """Per exit E of ``adapters`` (E -> ``ExitAdapter``), one token drafted through the adapter over the draft
+    vocabulary ``vocab`` (ids, or None for the full head)."""
+    return {e: exit_draft_cost(costs, m, e, adapter=a, vocab=vocab) for e, a in adapters.items()}
+
+
+@dataclass
+class Candidate:
+    """A lossless decoder the plan runs: ``method`` (a decoder name) with ``options`` (``DecodeConfig``
+    fields: every one it was priced with), its ``expected_speedup`` over plain decoding, and what it drafts
+    with (``drafter``, ``exit_layer``, the recorded ``acceptance`` and the priced draft length ``draft``)."""
+
+    name: str
+    method: str
+    options: dict
+    expected_speedup: float
+    reason: str
+    drafter: str = "prompt_lookup"
+    exit_layer: int | None = None
+    acceptance: float | None = None
+    draft: int | None = None
+
+
+@dataclass
+class Plan:
+    candidates: list[Candidate]
+    not_paying: list[dict] = field(default_factory=list)  # drafters not expected to pay, with their numbers
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    def to_json(self) -> dict:
+        return {"candidates": [asdict(c) for c in self.candidates], "not_paying": self.not_paying}
+
+
+def _lookup(costs: CostModel) -> Candidate:
+    speedup = LOOKUP_PRIOR.speedup(costs)
+    reason = "free drafts from the row's own text; a row with no match pays nothing"
+    return Candidate("prompt_lookup", "prompt_lookup", dict(LOOKUP_OPTIONS), speedup, reason)
+
+
+SUFFIX_DRAFT = 8  # the most tokens a suffix draft may have (configs/decoder/suffix.yaml: what was measured)
+
+
+def with_corpus(candidate: Candidate, corpus: str) -> Candidate:
+    """``candidate`` drafting by suffix decoding over ``corpus`` (a suffix index file) where it drafts by
+    prompt lookup: alone, the ``suffix`` decoder; in a chain, its first stage (``decoder.suffix.first``).
+    Other candidates are returned as they are. Why: with a corpus of the model's own answers, suffix decoding
+    drafted at least as well as prompt lookup on every measured prompt set (1.00-1.40x of it, one thread;
+    docs/BENCHMARKS.md, issue 27); without one it did not on open chat, so a plan without a corpus keeps
+    prompt lookup. Its expected speedup stays prompt lookup's prior: no prior is recorded for a corpus."""
+    if candidate.method == "prompt_lookup":
+        options = candidate.options | {"draft_tokens": SUFFIX_DRAFT, "suffix": {"corpus": corpus}}
+        reason = "free drafts from the row's text, earlier outputs and the corpus (suffix decoding)"
+        return replace(
+            candidate, name="suffix", method="suffix", options=options, reason=reason, drafter="suffix"
+        )
+    if candidate.options.get("chain"):
+        options = candidate.options | {"suffix": {"first": True, "corpus": corpus}}
+        name = candidate.name.replace("prompt_lookup+", "suffix+", 1)
+        return replace(
+            candidate, name=name, options=options, reason=f"suffix decoding first; {candidate.reason}"
+        )
+    return candidate
+
+
+def _candidate(kind: ProposerKind, offer: Offer, costs: CostModel, k: int, alone: float) -> Candidate:
+    """The candidate that runs ``offer``: chained after prompt lookup when the kind can be, else alone."""
+    acceptance = f"acceptance {offer.acceptance:.2f}" + (
+        f" at E={offer.exit_layer}" if offer.exit_layer else ""
+    )
+    if kind.chainable:
+        options = offer.options | {"chain": True, "policy": "adaptive", "draft_tokens": MAX_DRAFT}
+        speedup = LOOKUP_PRIOR.speedup(costs, fallback=alone, ride=offer.ride_cost)
+        reason = f"prompt lookup, else {offer.drafter} ({acceptance}: {alone:.2f}x alone at K={k})"
+        name = f"prompt_lookup+{offer.drafter.split(' ')[0]}"
+    else:
+        options = offer.options | {"chain": False, "policy": "constant", "draft_tokens": k}
+        speedup, reason, name = alone, f"{offer.drafter} ({acceptance}, K={k})", offer.drafter
+    options = {key: options.get(key, LOOKUP_OPTIONS[key]) for key in PLAN_OWNED} | options
+    return Candidate(
+        name, kind.name, options, speedup, reason, offer.drafter, offer.exit_layer, offer.acceptance, k
+    )
+
+
+def _priced(offers: list[tuple[ProposerKind, Offer]], costs: CostModel, plan: Plan) -> None:
+    """Add the best paying offer per drafter to ``plan``; note the best of each that does not pay."""
+    best: dict[str, tuple[float, int, ProposerKind, Offer]] = {}
+    for kind, offer in offers:
+        if offer.acceptance is None:
+            plan.not_paying.append(
+                {"drafter": offer.drafter, "exit": offer.exit_layer, "reason": "no acceptance recorded"}
+            )
+            continue
+        k, speedup = price(offer, costs)
+        if offer.drafter not in best or speedup > best[offer.drafter][0]:
+            best[offer.drafter] = (speedup, k, kind, offer)
+    for drafter, (speedup, k, kind, offer) in best.items():
+        if speedup >= MIN_SPEEDUP:
+            plan.candidates.append(_candidate(kind, offer, costs, k, speedup))
+            continue
+        plan.not_paying.append(
+            {
+                "drafter": drafter,
+                "exit": offer.exit_layer,
+                "acceptance": offer.acceptance,
+                "draft": k,
+                "expected_speedup": speedup,
+            }
+        )
+
+
+def plan_decoding(
+    m: EarlyExitModel,
+    costs: CostModel,
+    *,
+    record: AcceptanceRecord | None = None,
+    adapter: str | None = None,
+    drafter: str | None = None,
+) -> Plan:
+    """The lossless decoders expected to pay on ``m`` (see the module docstring), best first.
+
+    ``record``: what the checkpoint records (``fastdecode.plan.acceptance.read_record``); ``adapter``: an exit
+    adapter directory given with the model (its own record beside it); ``drafter``: an EAGLE-3 head directory
+    (its ``acceptance.json`` beside it). ``costs``: the cost model at the
+    batch size the plan is for.
+    """
+    inputs = PlanInputs(m, costs, record, adapter, drafter)
+    offers = [(kind, offer) for kind in PROPOSERS.values() if kind.offers for offer in kind.offers(inputs)]
+    plan = Plan([_lookup(costs)])
+    _priced(offers, costs, plan)
+    plan.candidates.sort(key=lambda c: -c.expected_speedup)
+    return plan

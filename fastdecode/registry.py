@@ -1,0 +1,149 @@
+"""Every decoder by name: the loop's strategies and each drafter package's kind, registered here and nowhere else.
+
+A decoder is a free function ``(m, prompts, cfg, draft=None) -> DecodeOutput``; ``get_decoder(name)`` finds it.
+This module fills the loop's plugin tables (``decoding.kinds.PROPOSERS``, ``FIRST_STAGES``): adding a drafter
+is its package and one line in ``KINDS`` (docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Protocol
+
+from fastdecode.config import unknown_name_error
+from fastdecode.decoding import autoregressive, jacobi, skipdecode
+from fastdecode.decoding.config import DecodeConfig, DecodeOutput
+from fastdecode.decoding.kinds import DEFAULT_FIRST, FIRST_STAGES, PROPOSERS, FirstStageKind, Setup
+from fastdecode.drafters.draft_model import kind as draft_model
+from fastdecode.drafters.eagle3 import kind as eagle3
+from fastdecode.drafters.eagle3.files import read_eagle3_config
+from fastdecode.drafters.exits import kind as exits
+from fastdecode.drafters.lookup import kind as lookup
+from fastdecode.drafters.lookup import lookahead
+from fastdecode.drafters.lookup.ngram import PromptLookupProposer
+from fastdecode.drafters.lookup.options import LookupOptions
+from fastdecode.drafters.suffix import proposer as suffix
+from fastdecode.drafters.suffix import sources as suffix_sources
+from fastdecode.drafters.suffix.index_file import read_header
+from fastdecode.drafters.suffix.options import SuffixOptions
+from fastdecode.runtime.model import EarlyExitModel
+
+
+class Decoder(Protocol):
+    def __call__(
+        self,
+        m: EarlyExitModel,
+        prompts: list[list[int]],
+        cfg: DecodeConfig,
+        draft: EarlyExitModel | None = None,
+    ) -> DecodeOutput: ...
+
+
+# The kinds of draft the one speculative loop verifies: each is a decoder of its name, and ``auto``
+# (fastdecode/plan/choose.py) plans with the ones that make offers.
+KINDS = [exits.KIND, draft_model.KIND, lookup.KIND, lookahead.KIND, eagle3.KIND, suffix.KIND]
+PROPOSERS.update({kind.name: kind for kind in KINDS})
+
+
+def lookup_first(s: Setup) -> PromptLookupProposer:
+    return PromptLookupProposer(s.prompts, s.cfg, s.costs, s.m.vocab_size)
+
+
+def suffix_first(s: Setup) -> suffix.SuffixProposer:
+    """Suffix decoding first in a chain; its fallback is judged after ``decoder.lookup.fallback_trial``
+    row-rounds, as with prompt lookup first (the chain's one trial option)."""
+    return suffix.SuffixProposer(s, trial=LookupOptions.of(s.cfg).fallback_trial)
+
+
+# A chain's first stages: prompt lookup by default, suffix decoding with ``decoder.suffix.first``.
+FIRST_STAGES.update(
+    {
+        DEFAULT_FIRST: FirstStageKind(lookup_first, selects=lambda cfg: False),
+        "suffix": FirstStageKind(suffix_first, selects=lambda cfg: SuffixOptions.of(cfg).first),
+    }
+)
+
+# Every decoding strategy by name: the ones that are not speculation, then each proposer kind.
+DECODERS: dict[str, Decoder] = {
+    "autoregressive": autoregressive.generate,
+    "skipdecode": skipdecode.generate,
+    "jacobi": jacobi.generate,
+    **{name: kind.generate for name, kind in PROPOSERS.items()},
+}
+
+
+def decoder_names() -> list[str]:
+    """Every decoder a method may name: the strategies and the proposer kinds."""
+    return list(dict.fromkeys([*DECODERS, *PROPOSERS]))
+
+
+def get_decoder(name: str) -> Decoder:
+    """The strategy or proposer kind registered as ``name``; an unknown name (or not a string) raises a
+    ConfigError listing the choices."""
+    if isinstance(name, str) and name in DECODERS:
+        return DECODERS[name]
+    if isinstance(name, str) and name in PROPOSERS:  # a kind registered after import
+        return PROPOSERS[name].generate
+    raise unknown_name_error("decoder", str(name), decoder_names(), "(fastdecode.registry)")
+
+
+# --------------------------------------------------------------------------------------------------------
+# What callers above the loop (the API, the benchmark) need of the drafters' files and memories
+
+
+def check_drafter(path: str | Path) -> None:
+    """A trained drafter's directory (``drafter=``), read without its weights: a missing, damaged or foreign
+    one is refused by name (today an EAGLE-3 head: ``drafters.eagle3.files``)."""
+    read_eagle3_config(path)
+
+
+def check_corpus_file(path: str | Path) -> None:
+    """A suffix index file (``corpus=``), its header read: a missing, foreign or other-version file fails."""
+    read_header(Path(path))
+
+
+def corpus_fingerprint(tokenizer: Any) -> dict:
+    """What a corpus records of the tokenizer that made its ids (hash it once per tokenizer)."""
+    return suffix_sources.corpus_fingerprint(tokenizer)
+
+
+def load_corpus(corpus: str | Path, m: EarlyExitModel, fingerprint: dict) -> None:
+    """A corpus file checked against the model and the tokenizer's ``fingerprint`` (loaded once per file
+    version): a damaged, foreign or other-vocabulary file is refused by name."""
+    suffix_sources.corpus_index(corpus, m, fingerprint=fingerprint)
+
+
+def corpus_options(options: dict, corpus: str | Path) -> dict:
+    """``options`` (a method's ``DecodeConfig`` fields) with ``decoder.suffix.corpus`` set to ``corpus``."""
+    given = options.get("suffix") or {}
+    given = dataclasses.asdict(given) if dataclasses.is_dataclass(given) else dict(given)
+    return options | {"suffix": given | {"corpus": str(corpus)}}
+
+
+def forget_earlier_calls() -> None:
+    """Forget the text drafters keep from earlier calls of this process (suffix decoding's global index):
+    a benchmark pass over prompts whose answers must not be drafted back to them."""
+    suffix_sources.reset_global_index()
+
+
+def memory_scope(name: str | None) -> AbstractContextManager[None]:
+    """Calls inside keep the text of earlier calls apart under ``name`` (None: the process's shared memory)."""
+    return suffix_sources.global_scope(name)
+
+
+__all__ = [
+    "DECODERS",
+    "PROPOSERS",
+    "Decoder",
+    "load_corpus",
+    "check_corpus_file",
+    "corpus_options",
+    "check_drafter",
+    "corpus_fingerprint",
+    "decoder_names",
+    "forget_earlier_calls",
+    "get_decoder",
+    "memory_scope",
+]
