@@ -1,15 +1,9 @@
 """The adapter's loss: KL to the final layer's distribution over the drafter's head rows, plus optional CE.
 
-The drafter's head scores ``S`` rows (the draft vocabulary, or all ``V``); ``index [V]`` maps a token id to
-its row (-1 outside the head). Teacher targets either way:
-
-- ``full``: teacher logits over the same ``S`` rows from the cached final head input. A softmax over a subset
-  of logits is the full softmax restricted and renormalised, so this is the teacher's exact distribution over
-  what the drafter can propose;
-- ``topk``: the cached top-k log-probabilities, restricted to tokens in the head and renormalised.
-
-``KL(p || q) = sum p (log p - log q)`` per position, averaged over positions, times ``T^2`` (the usual
-distillation scaling, so the gradient's size does not shrink with the temperature).
+The drafter's head scores ``S`` rows (the draft vocabulary, or all ``V``). ``kl_full`` takes the teacher's
+logits over the same rows; ``kl_topk`` takes the cached top-k log-probabilities, restricted to the head and
+renormalised. Both are scaled by ``T^2``. ``cross_entropy`` and ``agreement`` score rows of the head too.
+Why these targets are exact: docs/design/methods.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """``recipe=exit_adapter``: exit adapters on a frozen model (Kangaroo: "Kangaroo: Lossless Self-Speculative
 Decoding via Double Early Exiting", Liu et al., 2024).
 
-The ``recipes.finetune`` sequence with ``AdapterLM`` under ``AdapterTrainer``: exits and the given
-draft vocabulary checked (before the weights load) -> model frozen and fingerprinted (``loaded``) -> data ->
-draft vocabulary -> feature cache (layer-E features + teacher targets, computed once, resumable: the
-Trainer's dataset) -> the base model's perplexity (before) -> one adapter per exit, trained on the cache (an
-epoch costs only the adapters and the drafter's head; resumable from ``checkpoint-N``) -> base weights checked
-bitwise -> the export: ``final/E<e>/`` per exit, never the base weights (``export``), loaded back and checked
-against the live adapters -> per-exit agreement on the model's own greedy generations, raw exit vs adapter ->
-the exit with the best expected speedup (head-aware cost model, ``choose_exit``) in ``final/adapters.json`` ->
-the base model's perplexity (unchanged by construction) -> a closing speed line.
-
-The method code (features, loss, module, trainer) lives in ``adapter_train/``; this module only wires it.
+``ExitAdapterRecipe`` runs the ``recipes.finetune`` sequence with ``AdapterLM`` under ``AdapterTrainer``: a
+feature cache of the frozen model is the Trainer's dataset, one adapter per exit is trained on it, and the
+export is ``final/E<e>/`` per exit and ``final/adapters.json``, never the base weights. The steps are in
+docs/design/methods.md. The method code (loss, module, trainer, report) lives in ``adapter_train/``.
 """
 
 from __future__ import annotations

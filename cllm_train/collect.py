@@ -1,12 +1,9 @@
 """Jacobi trajectory collection (CLLM training data): ``python collect_jacobi.py model=... data=sharegpt``.
 
-Prompts are the first user turn (after any system message) of the training split of a data config, through
-the tokenizer's chat template with the generation prompt; the reference reply becomes ``labels``.
-Benchmarks (``eval_only`` data) are refused: their trajectories would train on the test set. Each rank of a
-``torchrun`` launch takes the prompts whose index is its rank modulo the world size, sorts them by length,
-and solves batches of ``batch_size`` prompts (``cllm_train/trajectories.py``); each batch is committed to
-the rank's shards (``cllm_train/shards.py``), so a killed run resumes where it stopped when restarted with
-the same ``output_dir``. Records follow ``cllm_train/records.py``.
+Prompts are the first user turns of a data config's training split; benchmarks (``eval_only`` data) are
+refused. Each rank solves its share of the prompts in batches (``cllm_train/trajectories.py``) and commits
+each batch to its shards (``cllm_train/shards.py``), so a run restarted with the same ``output_dir`` resumes.
+Records follow ``cllm_train/records.py``. Details: docs/design/methods.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Jacobi trajectory records -> CLLM training examples, batches, and the per-step state draws.
 
-One example per record (one block of one prompt). What does not depend on the drawn state is built here: the
-teacher sequence ``x ⊕ y*``, every state of the block, and the AR sequence with its labels. Which state
-``y(i)`` the student sees is drawn per optimiser step by ``draw_states`` from ``state_uniforms`` (a pure
-function of the seed, the step, the rank and the row within the accumulated batch), so a resumed run draws
-exactly what an uninterrupted one would, whatever the epoch and whatever the data loader does, and splitting
-a step into micro-batches changes nothing.
-
-Batch layout (``collate``): the prefix is *left*-padded to ``P`` columns and the block right-padded to ``N``,
-so every row's block starts at column ``P`` and a student sequence is ``cat(input_ids[:, :P], state)``.
+``build_examples`` makes one example per record (one block of one prompt) with everything that does not
+depend on the drawn state. ``draw_states`` draws the state the student sees, per optimiser step, from
+``state_uniforms``, so a resumed run draws what an uninterrupted one would. ``collate`` left-pads the prefix
+and right-pads the block, so every row's block starts at the same column. Details: docs/design/methods.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """CLLM losses (Kou et al., 2024, "CLLMs: Consistency Large Language Models", arXiv:2403.00835) on logits.
 
-Notation: prefix ``x`` (``P`` tokens, after left padding the block always starts at column ``P``), a block of
-``n`` tokens, state ``y(i)`` with first mismatch ``m_i`` against the fixed point ``y*``. The logits at column
-``p`` predict the token at ``p + 1``, so block token ``t`` is predicted at column ``P + t - 1``.
-
-- **Consistency** (global: teacher on ``x ⊕ y*``; local: teacher on ``x ⊕ y(i+1)``; student on ``x ⊕ y(i)``):
-  over the columns ``K = P + m_i - 1 .. P + n - 2`` (the predictions of block tokens ``m_i .. n - 1``; the
-  tokens before ``m_i`` are already right, and the last column predicts a token outside the block),
-  ``sum_v p_v (log p_v - log q_v)`` with ``p = softmax(sg(teacher))``, ``q = softmax(student)``. This is the
-  reference's soft cross-entropy ``-sum_v p_v log q_v`` minus the teacher's entropy, a constant under the
-  stop-gradient: the gradient is identical, and the logged value is 0 when student and teacher agree.
-- **AR**: cross-entropy with label smoothing on HF-style labels (aligned with the inputs, shifted here).
-
-Normalisation: each function returns the *sum* over its tokens divided by ``num_items`` when given (the
-token count of the whole accumulated batch, as the Trainer's ``num_items_in_batch``), else by this call's
-own count. So a gradient-accumulated step equals one large batch: the per-token mean over all its tokens.
+``consistency_loss``: the KL from the teacher's (stop-gradient) distribution to the student's, over the block
+positions ``consistency_positions`` marks. ``ar_loss``: cross-entropy with label smoothing. Each returns a
+``Term``: the sum over its tokens divided by ``num_items`` when given, else by its own count, so a
+gradient-accumulated step equals one large batch. Notation and derivation: docs/design/methods.md.
 """
 
 from __future__ import annotations

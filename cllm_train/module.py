@@ -1,19 +1,9 @@
 """``ConsistencyLM``: the module the Trainer trains; its forward computes the CLLM loss.
 
-Why a wrapper module (``fastdecode.training.wrapped_lm``): under DDP and DeepSpeed the loss must be computed inside
-the forward of the wrapped module, or the gradient reducer is bypassed and ranks silently train apart.
-
-Forward passes per micro-batch (the reference makes three forwards and two backwards):
-
-- one forward *with* gradient over the student rows ``x ⊕ y(i)`` stacked with the AR rows; with
-  ``ar_target=fixed_point`` the AR rows are ``x ⊕ y*``, which is also the global teacher's input, so the
-  teacher is that forward's output detached (same weights, same input: the same logits as a no-grad pass);
-- at most one forward *without* gradient over the remaining teacher rows (``x ⊕ y*`` for the global loss when
-  the AR rows are ground-truth labels; ``x ⊕ y(i+1)`` for the local loss).
-
-Which forwards run depends on the config only, never on the data, so every rank makes the same calls
-(ZeRO-3 requires it). The LM head only runs on the scored positions (``K`` and the AR targets), never on the
-whole ``[rows, T, V]``.
+It is a wrapper module (``fastdecode.training.wrapped_lm``) so that DDP and DeepSpeed see the loss inside the
+forward. Per micro-batch it makes one forward with gradient (student and AR rows stacked) and at most one
+without (the remaining teacher rows); which ones depends on the config only, so every rank makes the same
+calls. The LM head runs on the scored positions only. Details: docs/design/methods.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The ``recipes.finetune`` sequence with ``ConsistencyLM`` under ``CLLMTrainer``: 
 (checked against the tokenizer before the weights load) -> examples -> model -> held-out perplexity + Jacobi
 tokens per forward (before) -> train -> export (verified against the live model) -> the same measurement
 (after) -> ``summary.json``. The exported checkpoint is a plain HF directory; decode it with
-``fastdecode.decoding.get_decoder("jacobi")``.
+``fastdecode.registry.get_decoder("jacobi")``.
 """
 
 from __future__ import annotations

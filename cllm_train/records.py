@@ -1,25 +1,9 @@
 """Jacobi trajectory records: the schema written by ``collect_jacobi.py`` and read by CLLM training.
 
-A trajectory directory holds sharded JSONL files and one ``manifest.json``. Each JSONL line is one block of
-one prompt (``SCHEMA_VERSION`` 1)::
-
-    {"prompt_id": str,            # id of the source conversation
-     "block": int,                # 0-based index of this block within the prompt's generation
-     "prefix": [int],             # prompt ids + every token converged in earlier blocks (the KV-cached part)
-     "states": [[int]],           # y(0) .. y* inclusive, each of length n; states[-1] == fixed_point
-     "first_mismatch": [int],     # per state: first index differing from the fixed point (n for y* itself)
-     "fixed_point": [int],        # y*, length n == greedy continuation of prefix; tokens after an EOS are kept
-     "eos": bool,                 # an EOS id occurs inside fixed_point
-     "labels": [int] | null,      # ground-truth assistant reply ids of the prompt (same in every block), or null
-     "prompt_len": int}           # length of the original prompt ids (prefix[:prompt_len] is the prompt)
-
-The manifest (see ``collect.py``) records the model id, the tokenizer (name, vocabulary size, sha256 of the
-vocabulary), the seed and config, the shards with their record counts and byte lengths, filter counts and the
-completed prompt ids. A reader trusts only the first ``bytes`` bytes of each shard: anything after them was
-written by an interrupted run and is discarded on resume.
-
-Readers: ``read_manifest`` + ``check_manifest`` (refuse trajectories of another model or tokenizer), then
-``iter_records`` (validates every record; a malformed one raises a ``RecordError`` naming file and line).
+A trajectory directory holds sharded JSONL files (one line per block of one prompt, ``SCHEMA_VERSION`` 1,
+fields ``FIELDS``) and one ``manifest.json``. ``read_manifest`` and ``check_manifest`` refuse trajectories of
+another model or tokenizer; ``iter_records`` validates every record, and a malformed one raises a
+``RecordError`` naming file and line. The schema and the manifest: docs/design/methods.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """``CLLMTrainer``: the HF Trainer with the CLLM loss.
 
-Overrides ``get_batch_samples`` (draw the student states of the whole accumulated batch and count its
-consistency positions) and ``compute_loss`` (pass that count) only; the per-loss metrics reach the logs
-through ``fastdecode.training.trainer_logs``.
-
-Normalisation under gradient accumulation: every token-level loss is a sum divided by the token count of the
-*whole accumulated batch* (summed over ranks when ``average_tokens_across_devices``, as the Trainer does for
-``num_items_in_batch``), so 4 micro-batches of 2 give the gradient of one batch of 8. The AR count is the
-Trainer's own ``num_items_in_batch`` (label tokens); the consistency count (positions ``K``) depends on the
-drawn states, which is why the draws happen here, before any micro-batch runs.
+It overrides only ``get_batch_samples`` (draw the student states of the whole accumulated batch and count its
+consistency positions) and ``compute_loss`` (pass that count on). Every token-level loss is divided by the
+token count of the whole accumulated batch, so micro-batches give the gradient of one large batch. The
+per-loss metrics reach the logs through ``fastdecode.training.trainer_logs``. Details: docs/design/methods.md.
 """
 
 from __future__ import annotations

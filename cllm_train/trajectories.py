@@ -1,13 +1,9 @@
 """Solve the Jacobi trajectories of a batch of prompts: block after block, until EOS or ``max_new_seq_len``.
 
-One batch shares one KV cache (prompts left-padded, ``fastdecode.decoding.common.prefill``); every row runs
-its own blocks through ``fastdecode.jacobi.JacobiSolver``, so rows progress raggedly and a row that finished
-simply stops taking part. Initial guesses are drawn from a generator seeded by ``(seed, prompt id, block)``:
-a prompt's records do not depend on the batch it landed in, its rank, or a resume.
-
-Repetition filters (``FilterConfig``) run on the row's output so far (cut at EOS) after each block: the block
-that trips one is dropped and the prompt stops there (later blocks would carry the repetition in their
-prefix). Repetition in trajectories makes consistency training collapse (CLLM reference issues #11, #13).
+One batch shares one KV cache (``fastdecode.decoding.common.prefill``); every row runs its own blocks through
+``fastdecode.jacobi.JacobiSolver``, and a finished row stops taking part. Initial guesses depend only on
+``(seed, prompt id, block)``. Repetition filters (``FilterConfig``) drop the block that trips one and stop
+the prompt there. Why: docs/design/methods.md.
 """
 
 from __future__ import annotations

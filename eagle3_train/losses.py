@@ -1,30 +1,10 @@
 """The EAGLE-3 training-time test (TTT) loss (Li et al., 2025, "Scaling up Inference Acceleration of Large
 Language Models via Training-Time Test"), as pure functions of a head and a batch.
 
-Batch convention (the target's own alignment: one forward of the frozen target over ``input_ids`` gives every
-field, position ``p`` being the target's position ``p``):
-
-- ``input_ids [B, T]``: tokens ``x_0 .. x_{T-1}``; ``embeds [B, T, H]``: the target's (frozen) embedding of
-  them; ``features [B, T, 3 * Ht]``: ``g_p``, the target's three hidden states at ``p``;
-- ``target_logits [B, T, V]``: the target's logits at ``p`` (its distribution of ``x_{p+1}``), or instead
-  precomputed ``target_logp [B, T, Vd]`` (``target_draft_distribution``) and ``target_ids [B, T]``
-  (``target_draft_argmax``);
-- ``loss_mask [B, T]`` bool: ``x_p`` is a trained (assistant) token; optional ``position_ids [B, T]``
-  (default ``0 .. T-1``). One sequence per row, right-padded (padding has ``loss_mask`` False); packed
-  rows are not supported yet (``ttt_mask`` has no document mask here).
-
-Alignment (vllm-project/speculators' ``shift_batch`` and TTT loop): the head's row ``i`` is the token
-position ``t = i + 1`` and pairs ``embed(x_t)`` with ``g_{t-1}`` (the features that produced ``x_t``), at
-RoPE position ``t``: what a proposer has after a verification. TTT step ``k`` at that row reads
-``embed(x_{t+k})`` at position ``t + k`` and, for ``k > 0``, the head's own step ``k-1`` output hidden state
-of the row; its logits predict ``x_{t+k+1}`` and are scored against the target's distribution at
-``p = t + k``. A score counts where ``x_{p+1}`` is a trained token (``loss_mask[p + 1]``: the project's
-label convention, ``fastdecode.tokens.next_token_targets``; speculators uses ``loss_mask[p]``, one position
-earlier) and ``p + 1 < T``; rows whose ``t + k`` runs past the end are padded and never scored.
-
-Losses return ``(sum, count)``, not means, so a caller accumulating micro-batches divides once by the total
-count. ``ttt_loss`` weights step ``k`` by ``decay ** k`` (SpecForge's default 0.8; speculators' is 1.0) and
-counts the step-0 scores.
+A batch is what one forward of the frozen target over ``input_ids`` gives (one sequence per row,
+right-padded). ``ttt_unroll`` runs the head's steps; ``ttt_loss`` scores step ``k`` against the target's
+distribution, weighted by ``decay ** k``. Losses return ``(sum, count)``, not means. The batch fields and
+the alignment: docs/design/methods.md.
 """
 
 from __future__ import annotations
@@ -151,7 +131,7 @@ def ttt_loss(
     kind: str = "kl",
     prev_correct: bool = False,
 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
-    """The TTT loss of ``head`` on ``batch`` (module docstring: fields and alignment).
+    """The TTT loss of ``head`` on ``batch`` (fields and alignment: docs/design/methods.md).
 
     Returns ``(loss_sum, count, metrics)``: ``loss_sum = sum_k decay**k * sum_k`` (float32, differentiable),
     ``count`` the step-0 scored positions (divide the accumulated ``loss_sum`` by the accumulated ``count``),

@@ -1,14 +1,9 @@
 """``Eagle3LM``: the module the Trainer trains, the EAGLE-3 head beside the frozen target.
 
-Only the head is a parameter (saved in checkpoints, seen by the optimiser); the target is held outside the
-module tree and gives the token embeddings (its own embedding, never saved) and the teacher: its final
-layer's head input at each scored position (``final``) times its LM head's rows of the draft vocabulary is
-exactly its distribution restricted to the draft vocabulary (``eagle3_train/losses.py``'s ``kl`` target).
-
-Batches are the feature records of ``fastdecode/training/features.py`` (``collate_records``; in
-``online`` mode computed per batch from the data by the frozen target, ``collate_examples``), laid out as
-``eagle3_train.losses.ttt_loss`` reads them: one sequence per row, right-padded, one position wider than
-the longest record so the last scored position's next token has a slot.
+Only the head is a parameter. The target is held outside the module tree and gives the token embeddings and
+the teacher. Batches are the feature records of ``fastdecode/training/features.py`` (``collate_records``),
+or, in ``online`` mode, computed per batch by the target (``collate_examples``), laid out as
+``eagle3_train.losses.ttt_loss`` reads them. Details: docs/design/methods.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """``recipe=eagle3``: an EAGLE-3 draft head for a frozen target (Li et al., 2025, "Scaling up Inference
 Acceleration of Large Language Models via Training-Time Test").
 
-The ``recipes.finetune`` sequence with ``Eagle3LM`` under ``Eagle3Trainer``: settings checked
-against the target's config (feature layers, draft vocabulary, peft, online data; before the weights load)
--> target frozen and fingerprinted -> data -> the target's features (``features.mode=cache``: the feature
-cache of ``fastdecode/training/features.py``, by default the target's own answers captured while it
-generates; ``online``: computed per batch by the target from the data) -> draft vocabulary (the most frequent
-tokens of the training answers) -> the head trained with the training-time-test loss (resumable from
-``checkpoint-N``) -> target weights checked bitwise -> the export: ``final/`` in the speculators dialect
-(``vllm serve final/``) with ``final/sglang/`` (SGLang), loaded back and checked equal to the live head ->
-chain-drafting acceptance on the target's greedy answers to held-out prompts -> ``final/acceptance.json``.
+``Eagle3Recipe`` runs the ``recipes.finetune`` sequence with ``Eagle3LM`` under ``Eagle3Trainer``: the
+target's features are the training data, the head is trained with the training-time-test loss, and the
+export is ``final/`` in the speculators dialect with ``final/sglang/``, never the target. Acceptance goes to
+``final/acceptance.json``. The steps are in docs/design/methods.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """What a trained head accepts when it drafts chains: measured on the target's own greedy answers to held-out
 prompts (never the training data), recorded in ``final/acceptance.json`` (what ``auto`` plans from).
 
-Per answer the target's features are computed in-process while it generates (``generation_features``, as
-the cache's ``source=generate``); the head is then unrolled exactly as chain drafting runs it
-(``eagle3_train.losses.ttt_unroll``: the draft k steps after a start reads the true tokens' embeddings,
-which are the drafts wherever the earlier drafts were accepted, and the head's own hidden chain). For
-every start j (answer tokens ``a_0 .. a_{j-1}`` emitted, ``a_0`` by the prefill) and draft index k it
-gives whether draft k equals ``a_{j+k}``; a round from j accepts the leading matches (at most K) and emits
-them plus the verifier's token.
+``measure`` generates the answers with their features; ``leading_matches`` unrolls the head on each answer as
+chain drafting runs it and counts how many drafts from each start match; ``acceptance_figures`` sums them up.
+How a start and a round are counted: docs/design/methods.md.
 """
 
 from __future__ import annotations

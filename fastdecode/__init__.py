@@ -1,14 +1,10 @@
 """fastdecode: train LLMs for faster generation and decode losslessly with the speed they learnt.
 
-The library API (``fastdecode/api.py``)::
-
     import fastdecode
-    fd = fastdecode.from_pretrained("tiny-llama")         # a checkpoint directory, a hub id or a configs/model name
-    out = fd.generate("Hello", max_new_tokens=16, method="self_speculative", exit_layer=2)
-    print(out.text, out.acceptance, out.layers_per_token)
+    fd = fastdecode.from_pretrained("tiny-llama")     # a checkpoint directory, a hub id or a configs/model name
+    out = fd.generate("Hello", max_new_tokens=16)      # method="auto": the plan the cost model expects to pay
 
-The names below load on first use, so ``import fastdecode.config`` (the entry points' ``--help``) does not
-wait for torch and transformers.
+The API (``fastdecode/api.py``) loads on first use, so ``import fastdecode.config`` does not wait for torch.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """fastdecode as a library: one call loads a model with what its checkpoint records, one call generates.
 
-    >>> import fastdecode
-    >>> fd = fastdecode.from_pretrained("outputs/layerskip-smollm2-135m/final")   # or a hub id, or "tiny-llama"
-    >>> out = fd.generate("What is 2 + 2?", max_new_tokens=32)                     # what pays on this model
-    >>> out.text, out.method, out.acceptance, out.tokens_per_verification, out.layers_per_token
+    >>> fd = fastdecode.from_pretrained("outputs/layerskip-smollm2-135m/final")  # or a hub id, "tiny-llama"
+    >>> out = fd.generate("What is 2 + 2?", max_new_tokens=32)  # out.text, out.method, out.acceptance
 
-``from_pretrained`` reads from a checkpoint directory the exit E (``fastdecode.json``, else
-``generation_config.assistant_early_exit``), the exit adapter (``exit_adapter/``), ``draft_vocab.json``,
-``skipdecode.json`` (the SkipDecode policy it was trained with: options that contradict it are refused,
-``SkipPolicyMismatchError``) and ``acceptance.json`` (what its drafters are worth, ``fastdecode/plan/acceptance.py``;
-a damaged one is refused before the weights load). ``generate`` uses E, the adapter and the draft vocabulary as
-the defaults of the methods named by hand, stops at the tokenizer's (and the generation config's) EOS and
-renders text through the tokenizer's chat template. The default method, ``auto``, runs the first candidate of
-``fastdecode.plan.choose.plan_decoding`` for the call's batch size and engine with exactly the options it was
-priced with (nothing merged from the defaults): prompt lookup chained before a recorded exit or the exit
-adapter when that drafter is expected to pay, else prompt lookup alone (works on every model). Options are
-``DecodeConfig`` fields; Hugging Face's names are accepted as aliases (``ALIASES``). This module stands on the
-decoders and the loader only: no training package, no entry point, no benchmark.
+It owns ``FastDecoder`` (a model with its checkpoint's defaults and the plan ``auto`` runs) and
+``GenerationResult``. It stands on the decoders and the loader only. Details: docs/design/core.md.
 """
 
 from __future__ import annotations
@@ -225,7 +213,7 @@ class FastDecoder:
     ) -> GenerationResult:
         """Decode ``inputs``: a text, a list of texts, token ids (``[T]`` list or tensor), a batch of them
         (``[[...], ...]``, ``[B, T]`` tensor) or a tokenizer batch (``input_ids`` + ``attention_mask``, left or
-        right padded). ``method``: a decoder name (``fastdecode.decoding.decoder_names()``), or ``auto``: the
+        right padded). ``method``: a decoder name (``fastdecode.registry.decoder_names()``), or ``auto``: the
         plan's first candidate for this batch size, run with exactly the options it was priced with
         (``plan``; a chain's judge keeps its books across calls, ``decoding/chain.py``: a fallback that does
         not pay on this workload stops costing trial rounds), or ``self_speculative`` when ``options`` name an

@@ -1,15 +1,9 @@
 """The one home of user-facing errors: what a command-line user sees as one line, ``error: <message>``.
 
-``UserError`` is the base of every error whose message says what is wrong and how to fix it: ``ConfigError``
-(and its subclasses: ``CheckpointError``, ``ShardHeaderError``, ``SkipPolicyMismatchError``, the exit-adapter
-errors, ``RecordError``), ``LockHeld``, ``AssetError`` and the disk errors below. The entry points
-(``fastdecode_cli.launch.one_line_errors``) print such an error as one line on stderr and exit with code 2;
-``HYDRA_FULL_ERROR=1`` shows its traceback instead. Any other exception is a bug and keeps its traceback.
-
-The disk errors: ``OutputNotWritableError`` (an output directory that cannot be written, found by a probe
-before any model loads), ``DiskSpaceError`` (an estimate of what a run will write exceeds the free space,
-checked before the work) and ``DiskFullError`` (a write that failed for lack of space: ``disk_full_errors``
-turns the ways Python, torch and safetensors say so into it, naming the path being written).
+``UserError`` is the base of every error whose message says what is wrong and how to fix it. The entry points
+print it as one line and exit with code 2 (``fastdecode_cli.launch.one_line_errors``); any other exception is
+a bug and keeps its traceback. The disk errors live here too: ``OutputNotWritableError``, ``DiskSpaceError``
+and ``DiskFullError``. Details: docs/design/core.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Greedy Jacobi iteration over the explicit KV cache: the one core behind trajectory collection (CLLM
 training data) and the ``jacobi`` decoder.
 
-A block of ``n`` future tokens ``y`` is guessed and refined by ``y'[i] = argmax f(prefix ⊕ y[:i])`` until it
-stops changing; the fixed point ``y*`` is the greedy autoregressive continuation of the prefix.
-
-Per row the solver keeps ``c`` block tokens whose KV is in the cache (verified) and ``nxt``, the greedy token
-at block position ``c`` (from the logits of the last cached token, so it is correct). One iteration::
-
-    input  y[c:n]                       (n - c tokens at positions p+c .. p+n-1, prefix + y[:c] cached)
-    pred   argmax of the logits          pred[i] predicts block position c+1+i; pred[n-c-1] the next block
-    y'     y[:c] ⊕ [nxt] ⊕ pred[:n-c-1] = the full Jacobi update of y
-    j      leading matches of y[c:] and y'[c:]: inputs y[c:c+j] are correct, so their KV is kept
-
-``j`` (the fast-forward count, the KV slots committed) sums to ``n`` over a block; it is 0 only in a block's
-first iteration when ``y(0)[0]`` is a wrong guess. Rejected slots are rolled back by the cache's length
-pointer; rows of a batch progress raggedly, and a row that keeps fewer slots than another leaves holes
-(``key_valid`` False) that attention masks exactly, so fp32 results equal a row decoded alone.
-``y' == y`` (``j == n - c``) is convergence: every block token is cached and the last prediction is the
-"free" first token of the next block.
+It owns ``JacobiSolver`` (batched rows refined block by block, rejected slots rolled back by the cache's
+length pointer), ``solve_block``, the seeded initial guesses and the counts CLLM reports. The iteration and
+why batched rows equal rows decoded alone: docs/design/core.md.
 """
 
 from __future__ import annotations
@@ -44,7 +30,6 @@ def check_init(strategy: str, where: str = "init") -> None:
         raise unknown_name_error("Jacobi initial guess", strategy, list(INITS), f"({where})")
 
 
-
 @dataclass
 class JacobiOptions:
     """``decoder.jacobi``: the ``jacobi`` decoder. ``block``: the n >= 2 tokens refined in parallel;
@@ -56,6 +41,7 @@ class JacobiOptions:
     def __post_init__(self) -> None:
         check_block_size(self.block, "decoder.jacobi.block")
         check_init(self.init, "decoder.jacobi.init")
+
 
 def row_generator(seed: int, key: str) -> torch.Generator:
     """A CPU generator seeded from ``(seed, key)``: draws that do not depend on batching, order or rank."""

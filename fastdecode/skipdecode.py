@@ -1,32 +1,9 @@
 """SkipDecode (Del Corro et al., 2023): its options, the per-position layer budget and its exact teacher-forced
 forward, and the record of the policy a checkpoint was trained with.
 
-One module shared by the training recipe (``skipdecode_train``) and the decoder
-(``fastdecode/decoding/skipdecode.py``), so both read the same options with the same meanings
-(``SkipOptions``) and run literally the same layers at every position (``SkipDecodePolicy``).
-
-The policy. A sequence whose response starts at position ``r`` (positions ``< r`` are the prompt) runs
-``b(t)`` of its ``L`` layers at position ``t``::
-
-    b(t) = L                                                        t < r (prompt: full depth)
-    b(t) = clip(round(b_max - (b_max - b_min) * k / (T - P)), b_min, b_max),  k = t - r
-
-with ``T = max_length`` and ``P`` the prompt length. The layers run are
-``S(t) = {0 .. w-1} ∪ {L-(b(t)-w) .. L-1}``: ``w`` warm-up layers at the bottom, then the top ``b(t) - w``;
-the final norm and LM head always follow, so no intermediate heads are needed.
-
-Batches: one budget per *response offset* ``k`` shared by every row (each step of batched decoding runs one
-dense set of layers), with ``P`` = the longest prompt of the batch. In decoding that is the left-padded width,
-where every row's k-th new token sits in the same slot; in training (right-padded rows) it is the latest
-response start, and row ``b``'s offset counts from its own first label token. A row decoded alone therefore
-uses its own ``P``: budgets (and outputs) of a row can depend on the batch it is in, by design of the policy.
-
-Why no KV recomputation: ``b`` never increases, so ``S(t) ⊆ S(t')`` for ``t' < t``; every key/value that a
-token attends to at a layer it runs was written when the earlier token ran that layer.
-
-The record: ``recipe=skipdecode`` writes the policy it trained with to ``final/skipdecode.json``
-(``save_trained_policy``); decoding that checkpoint uses it (``read_trained_policy``), and options that
-contradict it are refused (``trained_options``: ``SkipPolicyMismatchError``).
+The training recipe (``skipdecode_train``) and the decoder (``fastdecode/decoding/skipdecode.py``) share this
+module, so both read the same options (``SkipOptions``) and run the same layers (``SkipDecodePolicy``). The
+budget formula, batching and why no KV is recomputed: docs/design/core.md.
 """
 
 from __future__ import annotations
@@ -167,7 +144,8 @@ class SkipDecodePolicy:
     def row_budgets(self, response_starts: torch.Tensor, length: int) -> torch.Tensor:
         """Budgets ``[B, length]`` of right-padded rows whose responses start at ``response_starts [B]``.
 
-        Offsets count from each row's own start; the span uses the batch's latest start (see module doc).
+        Offsets count from each row's own start; the span uses the batch's latest start
+        (docs/design/core.md).
         """
         starts = response_starts.long().cpu()
         answered = starts[starts < length]  # rows without a label are all prompt and do not set the span

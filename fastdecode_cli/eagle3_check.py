@@ -1,14 +1,9 @@
 """An EAGLE-3 training step on a model's real shapes, and a random-init head written for decoding checks.
 
 ``python eval/eagle3_check.py model=random-llama2-7b model.device=cuda model.dtype=bfloat16 out=DIR``
-(the console script ``fastdecode-eagle3-check``)
-
-Why: the GPU line of ``eval/gpu_check.sh`` (issue 26): on random-init weights of real shapes, what one
-training step of the head costs (the frozen target's forward that computes the features and the teacher,
-then the training-time-test unroll, its backward and an optimizer step), and a head directory
-(``DIR/head``, the speculators dialect) that ``eval/speed.py drafter=DIR/head`` decodes with. Random weights
-make acceptance meaningless; the costs depend on shapes only. Prints one JSON line and writes it to
-``DIR/eagle3_check.json``.
+(the console script ``fastdecode-eagle3-check``). It times one training step of the head on random weights,
+writes the head to ``DIR/head`` for ``eval/speed.py drafter=DIR/head``, and prints one JSON line, also
+written to ``DIR/eagle3_check.json``. Why and what it measures: docs/design/cli.md.
 """
 
 from __future__ import annotations

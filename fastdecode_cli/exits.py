@@ -1,14 +1,9 @@
 """``fastdecode-exits`` / ``python eval/exits.py``: per-exit quality report, e.g. ``fastdecode-exits checkpoint=outputs/layerskip-smollm2-135m/final``.
 
-Writes ``exits.json`` (per exit: agreement with the final layer and perplexity on held-out data, agreement on
-the model's own greedy generations, the recommended exit) and ``exits.png`` into ``output_dir``. With
-``adapter=PATH`` (a ``recipe=exit_adapter`` run's ``final/`` or one adapter directory) the report adds, per
-adapter exit, the agreement of the raw exit and of the exit through its adapter on the same generations (both
-through the adapter's draft head), and the exit the head-aware cost model recommends with adapters.
-
-``record=true`` writes what was measured where ``auto`` reads it: the checkpoint's ``acceptance.json`` (every
-exit, with the full head and with the checkpoint's ``draft_vocab.json`` when it has one) and the adapters'
-``adapters.json`` (agreement and tokens per round). For checkpoints trained before the record existed.
+Writes ``exits.json`` (per exit: agreement with the final layer, perplexity, the recommended exit) and
+``exits.png`` into ``output_dir``. ``adapter=PATH`` adds the exit adapters of a ``recipe=exit_adapter`` run.
+``record=true`` writes what was measured where ``auto`` reads it (``acceptance.json``, ``adapters.json``).
+The report's contents are in docs/design/cli.md.
 """
 
 from __future__ import annotations

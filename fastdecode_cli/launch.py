@@ -1,14 +1,9 @@
 """What the entry points do around Hydra: report user errors in one line, and work before Hydra parses.
 
 ``one_line_errors`` wraps every console script's ``main`` and its Hydra task function: a
-``fastdecode.errors.UserError`` (``ConfigError`` and the other named errors) prints ``error: <message>`` on
-stderr (rank 0 of a multi-process launch; every rank exits 2), no traceback and no Hydra banner;
-``HYDRA_FULL_ERROR=1`` re-raises it for the full traceback. Other exceptions are bugs and keep theirs.
-
-Before Hydra: strip the multi-process launchers' arguments, and check the overrides the way Hydra will
-compose them, so a misspelt key or group option fails with our did-you-mean message (Hydra would suggest
-``+key=`` to append it), and ``--help`` lists only the config groups the entry point composes (the configs folder is shared:
-Hydra's own help would also list, e.g., ``decoder`` under ``train``, which train does not accept).
+``fastdecode.errors.UserError`` prints ``error: <message>`` on stderr and exits 2, with no traceback.
+``check_command_line`` runs before Hydra: it strips the multi-process launchers' arguments, checks the
+overrides with our did-you-mean messages and answers ``--help``. Details: docs/design/cli.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``fastdecode-lookup-replay`` / ``python eval/lookup_replay.py``: prompt lookup's variants replayed over the
 model's own greedy answers to training prompts (which occurrence, the longest n, where EOS cuts; each under
-the draft-length policies), with the acceptance prior ``ngram.MATCH_PRIOR`` holds.
+the draft-length policies), with the acceptance prior ``fastdecode.plan.acceptance.MATCH_PRIOR`` holds.
 
 ``fastdecode-lookup-replay [model=smollm2-135m] [data=sharegpt] [num_prompts=128] [max_new_tokens=128]``
 

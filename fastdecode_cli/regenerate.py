@@ -2,20 +2,9 @@
 
 ``python -m fastdecode_cli.regenerate [model=smollm2-135m] [data=sharegpt] [num_prompts=256]``
 
-Why: draft acceptance in self-speculation is agreement between an early exit and the final layer *on the
-model's own outputs*. Training the exits on text the model itself would write (instead of ChatGPT answers
-the model never produces) targets exactly that distribution, and the final layer's loss on its own greedy
-outputs is already low, so fine-tuning on them moves the final layer little.
-
-Prompts are the first user turns of the data config's *training* split (never its held-out split, which the
-exit reports measure on). Answers are decoded greedily with fastdecode's batched autoregressive decoder and
-written as a ``{"prompt", "response"}`` jsonl that ``data=jsonl data.path=...`` trains on. The file is
-written in chunks with atomic rewrites, so a killed run resumes where it stopped.
-
-At scale, ``server.url=http://HOST:PORT/v1`` asks an OpenAI-compatible server instead (``vllm serve``,
-SGLang, llama.cpp's server; ``fastdecode.data.openai_client``): the same prompts, greedy, ``server.concurrency``
-requests in flight, the same file in the same order, resumed the same way. The server is asked once
-(``/models``) before the tokenizer loads or any prompt is sent; the model's weights never load here.
+Prompts are the first user turns of the data config's training split; answers are decoded greedily and
+written, resumably, as a ``{"prompt", "response"}`` jsonl that ``data=jsonl`` trains on. With
+``server.url=...`` an OpenAI-compatible server answers instead. Why and how: docs/design/cli.md.
 """
 
 from __future__ import annotations

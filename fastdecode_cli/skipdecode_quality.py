@@ -1,12 +1,9 @@
 """``fastdecode-skipdecode-quality`` / ``python eval/skipdecode_quality.py [checkpoint=PATH] [skip.max_budget=20 ...]``.
 
-Writes ``skipdecode_quality.json`` into ``output_dir``: ROUGE-L and exact match of the ``skipdecode`` decoder's
-greedy outputs against full-depth greedy decoding, layers per generated token of both, and the perplexity of
-held-out reference answers under the policy and at full depth (``fastdecode/reports/skipdecode.py``). Speed is
-``eval/speed.py decoder=[autoregressive,skipdecode]``. A checkpoint trained with ``recipe=skipdecode`` is
-decoded with the policy it was trained with (its ``skipdecode.json``; ``skip_file=<run>/final/skipdecode.json``
-names another run's): ``skip.*`` options left null take the trained values, options that contradict them are
-refused (``fastdecode.skipdecode.SkipPolicyMismatchError``), before the model loads.
+Writes ``skipdecode_quality.json`` into ``output_dir``: the ``skipdecode`` decoder's greedy outputs scored
+against full-depth decoding (``fastdecode/reports/skipdecode.py``). A checkpoint trained with
+``recipe=skipdecode`` is decoded with the policy it was trained with, and ``skip.*`` options that contradict
+it are refused before the model loads. What the report holds: docs/design/cli.md.
 """
 
 from __future__ import annotations

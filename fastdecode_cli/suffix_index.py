@@ -1,18 +1,10 @@
 """``fastdecode-suffix-index``: build a corpus index for suffix decoding once, e.g.
 ``fastdecode-suffix-index model=smollm2-135m input=data/sharegpt-smollm2-135m.jsonl output=corpus.sfx``.
 
-Reads a jsonl of ``{"prompt", "response"}`` records (what ``fastdecode-regenerate`` writes: the model's own
-answers) or of ``{"text"}`` records, tokenizes each response (or text) with the model's tokenizer as decoding
-produces responses: the text's token ids alone, no chat template and no special tokens around them. EOS: the
-regenerated text has it stripped (decoded with ``skip_special_tokens``), so by default no EOS is indexed and
-drafts never propose one; ``append_eos=true`` appends the tokenizer's EOS id to every sequence (for
-``decoder.suffix.eos=after``: a draft may then end an answer). Writes the suffix index file atomically
-(``fastdecode/drafters/suffix/index_file.py``) with the tokenizer's fingerprint, which decoding checks
-(``decoder.suffix.corpus=PATH``), and prints what it built. Only the tokenizer loads, never the weights.
-
-Evaluation sets are refused: a file named after an evaluation-only data config (``configs/data``: MT-bench,
-HumanEval, ...), and records that carry an evaluation set's fields (``question_id``, ``task_id``); a corpus of
-a benchmark's answers would draft them back while the benchmark measures.
+Reads a jsonl of ``{"prompt", "response"}`` or ``{"text"}`` records, tokenizes each text as decoding
+produces it, and writes the suffix index file (``fastdecode/drafters/suffix/index_file.py``) with the
+tokenizer's fingerprint. Only the tokenizer loads. Evaluation sets are refused. How texts are tokenized,
+EOS and the refusals: docs/design/cli.md.
 """
 
 from __future__ import annotations

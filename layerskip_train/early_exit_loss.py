@@ -1,18 +1,9 @@
 """LayerSkip early-exit loss: every active exit shares the final norm and LM head, ``J = sum_l w_l CE_l``.
 
-Exit after block ``l`` (0-based): ``logits_l = lm_head(final_norm(h_l))`` with ``h_l`` the residual stream
-output by block ``l``; the last exit (``l = L - 1``) is the model's ordinary output.
-
-Memory: the exit losses are computed exit by exit and in chunks of ``chunk_size`` label tokens; each chunk's
-norm + head + cross-entropy runs under non-reentrant ``torch.utils.checkpoint``, so only the chunk's inputs
-(a view of ``h_l``, token indices, targets) are kept for backward and its logits are recomputed there. Peak
-logits memory is one chunk ``[chunk_size, V]`` whatever the number of exits; no ``[E, B, T, V]`` or
-per-exit ``[B, T, V]`` tensor exists. Cost: the head matmul runs twice (forward + recompute).
-
-Labels follow the Hugging Face convention: ``labels [B, T]`` aligned with ``input_ids`` (not shifted);
-position ``t`` is trained to predict ``labels[:, t + 1]``; ``-100`` is ignored. With ``num_items`` (the
-Trainer's ``num_items_in_batch``) the loss is the sum of token losses divided by it, exactly like HF's
-``ForCausalLMLoss``; otherwise the mean over this batch's label tokens.
+``early_exit_loss`` computes it exit by exit, in chunks of ``chunk_size`` label tokens whose logits are
+recomputed in backward, so peak logits memory is one chunk. ``scale_weights`` and ``active_exits`` give the
+exits' weights and curriculum. Labels follow the Hugging Face convention (not shifted; ``-100`` ignored).
+The memory scheme and the normalisation: docs/design/methods.md.
 """
 
 from __future__ import annotations
@@ -264,7 +255,7 @@ def early_exit_loss(
     token_fraction: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> ExitLoss:
-    """Weighted early-exit loss ``sum_l w_l * loss_l``, chunked and recomputed (see the module docstring).
+    """Weighted early-exit loss ``sum_l w_l * loss_l``, chunked and recomputed (docs/design/methods.md).
 
     Args:
         m: the model (``EarlyExitModel``: final norm + shared LM head).

@@ -1,19 +1,9 @@
 """LayerSkip layer dropout: per-sample stochastic depth whose rate grows with depth (and optionally time).
 
-The rate of block ``l`` (0-based, ``L`` blocks) at optimiser step ``t`` is ``p(l, t) = p_max * S(t) * D(l)``
-(Elhoushi et al., 2024). Each sequence of the batch draws its own Bernoulli per block; a dropped row passes
-the block unchanged (identity, no ``1/(1-p)`` rescale), and the block runs only on the kept rows, so
-dropping saves compute.
-
-Everything here is a pure function of its arguments: the drop mask is drawn from a generator seeded with
-``(seed, step, micro_step, rank)`` (``fastdecode.training.draws``), so a resumed run draws exactly the drops
-it would have drawn.
-
-Typical use in a training step::
-
-    rates = dropout_rates(0.2, m.num_layers, ":", scale="exp", step=step, total_steps=total_steps)
-    drops = drop_mask(rates, batch_size, seed=seed, step=step)                           # [L, B] bool
-    hiddens = run_with_layer_dropout(m, m.embed(ids, pos), pos, mask, drops=drops, exit_layers=exits)
+``dropout_rates`` gives each block's rate, ``drop_mask`` draws each sequence's drops from a generator keyed
+by ``(seed, step, micro_step, rank)`` (``fastdecode.training.draws``), and ``run_with_layer_dropout`` runs
+the blocks on the kept rows only and returns the residual stream at each exit. Everything is a pure function
+of its arguments, so a resumed run draws the same drops. Formula and usage: docs/design/methods.md.
 """
 
 from __future__ import annotations

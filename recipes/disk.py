@@ -1,23 +1,9 @@
 """The disk space a training run will write, estimated and checked before the weights load.
 
-What a run writes into ``output_dir``, beside what is there already:
-
-- Trainer checkpoints, each ``weights + optimizer state``: the weights at the dtype the model trains in
-  (``model.dtype``; ``auto``: fp32 on the CPU, bf16/fp16 on a GPU) and, for Adam (every ``adamw_*``/``adam*``
-  optimizer but the 8-bit ones), two moments per trained parameter at the same dtype (PyTorch's Adam keeps
-  them like the parameter); under DeepSpeed, 12 bytes per trained parameter instead (fp32 master weights and
-  the two fp32 moments). ``save_only_model``: the weights alone. Optimizers other than Adam: their state is not
-  counted (the estimate is then a lower bound). Scheduler, RNG and trainer state are a few KiB.
-- How many at once: the Trainer saves every ``save_steps`` and at the last step (``save_strategy=steps``), or
-  every epoch; it deletes the oldest beyond ``save_total_limit`` *after* writing the new one, so at most
-  ``save_total_limit + 1`` exist at once. Checkpoints already in ``output_dir`` (a resume) count against that.
-  When the number of saves is unknown before the data is read (training by epochs with ``save_strategy=steps``),
-  one checkpoint is counted: a lower bound.
-- The export ``final/``: the weights in fp32 (``export_checkpoint`` saves a fresh fp32 model, LoRA merged).
-
-The parameter count is the model's, built from its ``config.json`` on the ``meta`` device (no memory, no
-weights). With LoRA (``peft.method=lora``) the checkpoints hold the adapters only: just the export is
-counted. No safety margin is added: a run is refused only when even this estimate does not fit.
+The estimate counts the Trainer checkpoints that can be on disk at once (weights plus optimizer state)
+and the fp32 export ``final/``. The parameter count comes from the model's ``config.json`` on the ``meta``
+device. A run is refused only when even this estimate does not fit. What is counted, and why, is in
+docs/design/recipes.md.
 """
 
 from __future__ import annotations
@@ -53,7 +39,7 @@ def weight_bytes(job: TrainJob) -> int:
 
 
 def optimizer_bytes(job: TrainJob, per_weight: int) -> int:
-    """Bytes of optimizer state per trained parameter in a checkpoint (module docstring)."""
+    """Bytes of optimizer state per trained parameter in a checkpoint (docs/design/recipes.md)."""
     if job.trainer.get("save_only_model"):
         return 0
     if job.deepspeed.config_file is not None:
@@ -86,7 +72,7 @@ def checkpoints_at_once(trainer: dict[str, Any], existing: int, new: int) -> int
 
 
 def training_disk_need(job: TrainJob, params: int) -> tuple[int, str]:
-    """``(bytes, what)``: what the run will write (module docstring) for a model of ``params`` parameters."""
+    """``(bytes, what)``: what the run will write (docs/design/recipes.md) for a model of ``params`` parameters."""
     from recipes.resume import checkpoint_step, scan_checkpoints
 
     export = params * 4

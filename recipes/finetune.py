@@ -1,17 +1,10 @@
 """The step sequence every fine-tuning recipe runs, written once; a recipe supplies only what is its own.
 
-``finetune(job, cfg, recipe)``: DeepSpeed batch check -> seed -> ``recipe.prepare`` (work that must fail
-before the weights load) -> ``recipe.validate`` (against the HF config) -> load the model -> ``recipe.loaded``
--> ``recipe.datasets`` -> resolved config -> ``recipe.before_report`` (main process) -> ``TrainingArguments``
-(+ ``recipe.training_args``) -> LoRA (``peft`` group) -> ``recipe.module`` -> ``recipe.trainer_class`` -> train
-(+ evaluate on the eval set) -> probe loss of the live model -> ``recipe.export`` (default: plain HF
-directory, LoRA merged) -> the export checked against the live model -> ``recipe.after_report`` ->
-``recipe.extra_files`` -> ``fastdecode.json`` (``recipe.describe``) -> ``summary.json``. The last five run on
-rank 0 only.
-
-``Recipe``'s defaults are plain supervised fine-tuning (``recipe=sft``): the HF model computes its own
-causal-LM loss from ``labels``, the plain ``Trainer``, chat collation. A new method subclasses ``Recipe`` and
-overrides what differs (usually ``module`` and ``trainer_class``, and its reports).
+``finetune(job, cfg, recipe)`` calls the hooks of ``Recipe`` in this order: ``prepare``, ``validate``, load
+the model, ``loaded``, ``datasets``, ``training_args``, ``before_report``, LoRA, ``module``,
+``trainer_class``, train, ``export``, ``after_report``, ``extra_files``, ``describe``. The full sequence is
+in docs/design/recipes.md. ``Recipe``'s defaults are plain supervised fine-tuning (``recipe=sft``); a new
+method subclasses it and overrides what differs (usually ``module`` and ``trainer_class``, and its reports).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Resume that never trains a different model: complete checkpoints only, and a finished run stays finished.
 
-A Trainer checkpoint counts as complete when its ``trainer_state.json`` (which the Trainer writes last) parses
-and names its step, its weights are whole, and either the manifest that :class:`CompletionMarker` writes once
-the Trainer is done (every file's size) matches, or, for a checkpoint without one, the optimizer, scheduler
-and RNG files are there. ``resume_from_checkpoint=auto`` takes the newest complete checkpoint, logs why each
-newer one was skipped and moves the incomplete ones aside (``incomplete-checkpoint-N``, which the Trainer's
-checkpoint rotation does not count), all before the model loads.
-
-Transformers 5.24 runs one step before it checks ``global_step >= max_steps``, so resuming a run that already
-reached ``max_steps`` (killed during its export) would train a step more. :func:`train` stops such a run
-before its first step; the recipe then only redoes what comes after training (evaluation, export).
+``checkpoint_problem`` says why a Trainer checkpoint is incomplete. ``resume_from_checkpoint=auto`` takes the
+newest complete checkpoint and moves the incomplete ones aside, all before the model loads.
+:class:`CompletionMarker` writes the manifest that marks a checkpoint complete, and :func:`train` stops a run
+that already reached ``max_steps`` before its first step. The rules are in docs/design/recipes.md.
 """
 
 from __future__ import annotations

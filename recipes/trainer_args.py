@@ -1,12 +1,9 @@
 """The ``trainer`` group, checked against ``transformers.TrainingArguments`` before anything loads: the one
 place that validates it.
 
-Keys: every key is a ``TrainingArguments`` field (``training_fields``), except the job-level ones set at the
-top of the config (``JOB_LEVEL_ARGS``); ``unknown_trainer_key`` is the error for a misspelt one, raised here
-and by the command-line check (``fastdecode_cli/launch.py``). Values: each is checked against its field's type
-hint (numbers, booleans, strings, the Hugging Face enums such as ``lr_scheduler_type``) and the ranges no run
-can train with, so ``trainer.max_steps=abc`` fails at once with the key's name instead of a raw TypeError after
-the model, the data and the before-training report. ``check_trainer`` does both.
+Every key must be a ``TrainingArguments`` field, except the job-level ones (``JOB_LEVEL_ARGS``). Every value
+must fit its field's type hint and the ranges a run can train with. ``check_trainer`` does both, so a bad
+value fails at once with the key's name. More in docs/design/recipes.md.
 """
 
 from __future__ import annotations

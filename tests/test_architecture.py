@@ -52,58 +52,92 @@ class Rule:
 
 
 ENGINE_RULE = (
-    "`cache` imports only `config`; `fast_linear` nothing from fastdecode; `engine` only `config` and "
-    "`fast_linear`; `families` only `config`; `exit_blocks` only `config`, `cache` and `families`; "
-    "`engine_build` only `engine`, `fast_linear` and `families`; `model` only `config`, `cache`, `engine`, "
-    "`fast_linear`, `families`, `engine_build` and `exit_blocks` (the engine)."
+    "`runtime.cache` imports only `config`; `runtime.fast_linear` nothing from fastdecode; `runtime.engine` "
+    "only `config` and `runtime.fast_linear`; `runtime.families` only `config`; `runtime.exit_blocks` only "
+    "`config`, `runtime.cache` and `runtime.families`; `runtime.engine_build` only `runtime.engine`, "
+    "`runtime.fast_linear` and `runtime.families`; `runtime.model` only `config` and those six (the engine)."
 )
+ENGINE = ("runtime.cache", "runtime.engine", "runtime.fast_linear", "runtime.families", "runtime.exit_blocks")
 # The model seam: the only modules that touch Hugging Face model internals (docs/ARCHITECTURE.md).
-MODEL_SEAM = ("model", "families", "engine_build", "exit_blocks")
+MODEL_SEAM = ("runtime.model", "runtime.families", "runtime.engine_build", "runtime.exit_blocks")
+# One package per drafter: every ``fastdecode/drafters/<name>/`` (a new one is checked without an edit here).
+DRAFTERS = sorted(p.parent.name for p in (ROOT / "fastdecode" / "drafters").glob("*/__init__.py"))
+ABOVE_DRAFTERS = ("registry", "api", "data", "training", "reports", "bench")
+DRAFTER_RULE = (
+    "A drafter package (`drafters.<name>`) reaches no other drafter package, nor `registry`, `api`, `data`, "
+    "`training`, `reports` or `bench`."
+)
 RULES = [
     Rule(
-        "`errors`, `config`, `distributed`, `io`, `checkpoint`, `faults`, `locks` and `machine` (the base) import nothing from fastdecode but each other.",
-        areas=("errors", "config", "distributed", "io", "checkpoint", "faults", "locks", "machine"),
-        only=("errors", "config", "distributed", "io", "checkpoint", "faults", "locks", "machine"),
+        "`errors`, `config` and `files` (the base) import nothing from fastdecode but each other.",
+        areas=("errors", "config", "files"),
+        only=("errors", "config", "files"),
+    ),
+    Rule(
+        "`runtime` imports only `config`, `errors`, `files` and itself.",
+        areas=("runtime",),
+        only=("config", "errors", "files"),
     ),
     *(
         Rule(ENGINE_RULE, areas=(area,), only=only)
         for area, only in {
-            "cache": ("config",),
-            "fast_linear": (),
-            "engine": ("config", "fast_linear"),
-            "families": ("config",),
-            "exit_blocks": ("config", "cache", "families"),
-            "engine_build": ("engine", "fast_linear", "families"),
-            "model": ("config", "cache", "engine", "fast_linear", "families", "engine_build", "exit_blocks"),
+            "runtime.cache": ("config",),
+            "runtime.fast_linear": (),
+            "runtime.engine": ("config", "runtime.fast_linear"),
+            "runtime.families": ("config",),
+            "runtime.exit_blocks": ("config", "runtime.cache", "runtime.families"),
+            "runtime.engine_build": ("runtime.engine", "runtime.fast_linear", "runtime.families"),
+            "runtime.model": ("config", "runtime.engine_build", *ENGINE),
         }.items()
     ),
     Rule(
-        "`jacobi` and `skipdecode` (the concepts training and decoding share) reach neither `decoding`, "
-        "`data` nor `bench`.",
-        areas=("jacobi", "skipdecode"),
-        never=("decoding", "data", "bench"),
+        "`plan.cost`, `plan.cost_store`, `plan.timing` and `plan.acceptance` reach none of `decoding`, "
+        "`drafters` and `registry`; `plan.choose` reaches no drafter (it plans from the loop's tables).",
+        areas=("plan.cost", "plan.cost_store", "plan.timing", "plan.acceptance"),
+        never=("decoding", "drafters", "registry"),
     ),
     Rule(
-        "`decoding` reaches none of `data`, `training`, `loading`, `assets`, `tokenizer`, "
-        "`exit_report`, `skipdecode_report`, `bench`: the decoders stand on the engine and the shared "
-        "concepts.",
+        "`plan.cost`, `plan.cost_store`, `plan.timing` and `plan.acceptance` reach none of `decoding`, "
+        "`drafters` and `registry`; `plan.choose` reaches no drafter (it plans from the loop's tables).",
+        areas=("plan.choose",),
+        never=("drafters", "registry"),
+    ),
+    Rule(
+        "`jacobi` and `skipdecode` (the concepts training and decoding share) reach none of `decoding`, "
+        "`drafters`, `data` and `bench`.",
+        areas=("jacobi", "skipdecode"),
+        never=("decoding", "drafters", "data", "bench"),
+    ),
+    Rule(
+        "`decoding` (the loop) reaches none of `drafters`, `registry`, `api`, `data`, `training`, `reports`, "
+        "`bench`, `runtime.loading`, `runtime.tokenizer`, `files.assets`: it stands on the runtime and the plan.",
         areas=("decoding",),
         never=(
+            "drafters",
+            "registry",
+            "api",
             "data",
             "training",
-            "loading",
-            "assets",
-            "tokenizer",
-            "exit_report",
-            "skipdecode_report",
+            "reports",
             "bench",
+            "runtime.loading",
+            "runtime.tokenizer",
+            "files.assets",
         ),
     ),
+    *(
+        Rule(
+            DRAFTER_RULE,
+            areas=(f"drafters.{name}",),
+            never=(*(f"drafters.{other}" for other in DRAFTERS if other != name), *ABOVE_DRAFTERS),
+        )
+        for name in DRAFTERS
+    ),
     Rule(
-        "`data` reaches none of `decoding`, `bench`, `model`, `cache`: the data pipeline needs a tokenizer, "
-        "never a model.",
+        "`data` reaches none of `decoding`, `drafters`, `registry`, `bench`, `runtime.model`, `runtime.cache`: "
+        "the data pipeline needs a tokenizer, never a model.",
         areas=("data",),
-        never=("decoding", "bench", "model", "cache"),
+        never=("decoding", "drafters", "registry", "bench", "runtime.model", "runtime.cache"),
     ),
 ]
 OTHER_RULES = [  # bullets of the same list, checked by the tests below rather than by a Rule
@@ -224,9 +258,7 @@ def test_the_recipe_registry_is_the_only_way_up():
         tree = ast.parse(path.read_text(), filename=str(path))
         assert any(isinstance(n, ast.FunctionDef) and n.name == "run" for n in tree.body), f"{module}.run"
     registry = ROOT / RECIPES / "__init__.py"
-    assert _dotted_strings(registry) == {
-        m for m in recipes.RECIPES.values() if not m.startswith(RECIPES)
-    }
+    assert _dotted_strings(registry) == {m for m in recipes.RECIPES.values() if not m.startswith(RECIPES)}
     for path in _sources(RECIPES):
         if path == registry:
             continue
@@ -264,7 +296,7 @@ def test_the_training_layer_imports_only_fastdecode_core():
 
 def test_only_the_model_seam_imports_hf_modeling_code():
     """HF model internals (transformers.models.*) are touched by the model seam alone (``MODEL_SEAM``)."""
-    allowed = {ROOT / "fastdecode" / f"{name}.py" for name in MODEL_SEAM}
+    allowed = {ROOT.joinpath("fastdecode", *name.split(".")).with_suffix(".py") for name in MODEL_SEAM}
     for package in FORBIDDEN:
         for path in _sources(package):
             if path in allowed:
@@ -282,7 +314,7 @@ def test_rules_inside_fastdecode(rule):
     for area in rule.areas:
         for module in _members(area):
             if rule.only is not None:
-                outside = {t for t in _graph()[module] if not _in(t, area)}
+                outside = {t for t in _graph()[module] if not _in(t, area) and not module.startswith(f"{t}.")}
                 allowed = {t for t in outside if any(_in(t, a) for a in rule.only)}
                 assert outside == allowed, f"{module} imports {sorted(outside - allowed)}: {rule.text}"
             reached = [t for t in _reach(module) for bad in rule.never if _in(t, bad)]
@@ -422,12 +454,64 @@ def test_the_document_lists_every_rule():
     assert bullets == expected, f"docs/ARCHITECTURE.md differs: {sorted(bullets ^ expected)}"
 
 
-def test_the_document_has_one_row_per_fastdecode_module():
-    rows = re.findall(r"^\| `([^`]+)` \|", _section("fastdecode/"), flags=re.MULTILINE)
-    package = ROOT / "fastdecode"
+def _packages() -> list[Path]:
+    """``fastdecode`` and every package inside it."""
+    root = ROOT / "fastdecode"
+    return [root, *sorted(p.parent for p in root.rglob("*/__init__.py"))]
+
+
+@pytest.mark.parametrize("package", _packages(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_the_document_has_one_row_per_module_of_each_package(package):
+    """Each package of ``fastdecode`` has its section, ``## fastdecode/<package>/``, with one row per module
+    and per subpackage."""
+    rows = re.findall(r"^\| `([^`]+)` \|", _section(f"{package.relative_to(ROOT).as_posix()}/"), flags=re.M)
     modules = {p.name for p in package.glob("*.py") if p.name != "__init__.py"}
     modules |= {f"{p.parent.name}/" for p in package.glob("*/__init__.py")}
     assert len(rows) == len(set(rows)), f"a module has two rows: {rows}"
     assert set(rows) == modules, (
         f"rows without a module: {set(rows) - modules}; modules without: {modules - set(rows)}"
     )
+
+
+MAX_ROOT_MODULES = 10  # the public surface and the few modules every layer shares
+MAX_DOCSTRING_LINES = 8  # what the module is for and what it owns; derivations go to docs/design/
+
+
+def test_the_root_of_fastdecode_holds_the_public_surface_only():
+    root = sorted(p.name for p in (ROOT / "fastdecode").glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules at the root of fastdecode/: {root}"
+
+
+def test_module_docstrings_are_short():
+    """A module docstring says what the module is for and what it owns in at most 8 lines."""
+    roots = [*LIBRARY, *sorted(ENTRY - {"train", "collect_jacobi"})]
+    long = []
+    for path in [p for root in roots for p in _sources(root)] + sorted(ROOT.glob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text(), filename=str(path)), clean=False) or ""
+        if len(doc.splitlines()) > MAX_DOCSTRING_LINES:
+            long.append(f"{path.relative_to(ROOT).as_posix()}: {len(doc.splitlines())} lines")
+    assert not long, "module docstrings over 8 lines (move the rest to docs/design/):\n" + "\n".join(long)
+
+
+# Who may name a drafter package outside it: the registry, the drafter's training package, and its commands.
+NAMED_BY = {
+    "eagle3": {"fastdecode.registry", "fastdecode_cli.eagle3_check"},
+    "suffix": {"fastdecode.registry", "fastdecode_cli.suffix_index"},
+    "lookup": {"fastdecode.registry", "fastdecode.bench.lookup_answers", "fastdecode.bench.lookup_replay"},
+}
+
+
+@pytest.mark.parametrize("drafter", sorted(NAMED_BY))
+def test_a_drafter_lives_in_its_package(drafter):
+    """Outside the tests, a drafter's code is its package, its training package (``<name>_train``) and at most
+    3 registry or entry-point modules that import it (``NAMED_BY``): a newcomer finds it in one folder."""
+    package = f"fastdecode.drafters.{drafter}"
+    importers = set()
+    for root in [*LIBRARY, *sorted(ENTRY - {"train", "collect_jacobi"})]:
+        for path in _sources(root):
+            module = _module_name(path)
+            if module == package or module.startswith(package + ".") or root == f"{drafter}_train":
+                continue
+            if any(n == package or n.startswith(package + ".") for n in _imports(path)):
+                importers.add(module)
+    assert importers == NAMED_BY[drafter] and len(importers) <= 3, sorted(importers)

@@ -123,7 +123,9 @@ def test_a_retired_draft_model_stops_running(monkeypatch):
     real = small.run_layers
     monkeypatch.setattr(small, "run_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
     prompts = random_prompts(2, seed=5)
-    cfg = DecodeConfig(max_new_tokens=40, chain=True, draft_tokens=3).with_options(LookupOptions(fallback_trial=2))
+    cfg = DecodeConfig(max_new_tokens=40, chain=True, draft_tokens=3).with_options(
+        LookupOptions(fallback_trial=2)
+    )
     retired = []
     real_retire = ChainProposer.judge
 
@@ -156,7 +158,9 @@ def test_a_chains_judge_carries_its_books_across_calls():
     decoding stays lossless."""
     m = lively_model("tiny-llama")  # upper layers at full strength: exit 1 rarely agrees with the output
     prompts = random_prompts(2, seed=53)
-    cfg = DecodeConfig(max_new_tokens=40, exit_layer=1, chain=True, draft_tokens=3, costs="estimated").with_options(LookupOptions(fallback_trial=8))
+    cfg = DecodeConfig(
+        max_new_tokens=40, exit_layer=1, chain=True, draft_tokens=3, costs="estimated"
+    ).with_options(LookupOptions(fallback_trial=8))
     ref = autoregressive(m, prompts, DecodeConfig(max_new_tokens=40)).tokens
     books = Books()
     rounds = []

@@ -208,9 +208,7 @@ def test_lora_adapters_train_merge_and_reload(tmp_path):
 
 
 def _no_model(monkeypatch):
-    monkeypatch.setattr(
-        "recipes.finetune.load_model", lambda *a, **k: pytest.fail("model weights loaded")
-    )
+    monkeypatch.setattr("recipes.finetune.load_model", lambda *a, **k: pytest.fail("model weights loaded"))
 
 
 def test_a_malformed_record_names_its_file_and_line(tmp_path, monkeypatch):

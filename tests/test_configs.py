@@ -154,3 +154,22 @@ def test_export_exit_config_composes_and_converts():
         cfg = compose(config_name="export_exit", overrides=["checkpoint=some/final", "exit_layer=8"])
     job = to_dataclass(ExportExitJob, cfg, "")
     assert (job.checkpoint, job.exit_layer, job.output_dir) == ("some/final", 8, None)
+
+
+def test_a_drafter_s_option_group_converts_in_a_fresh_process():
+    """A drafter's options (``decoder.<group>.*``) are registered by its package; the benchmark's checks and the
+    API find them without any earlier import (a fresh interpreter, as ``eval/speed.py`` starts)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from fastdecode.bench.config import MethodConfig, check_options\n"
+        "from fastdecode.config import load_group, to_dataclass\n"
+        "node = load_group('decoder', 'prompt_lookup_tree', dict)\n"
+        "spec = to_dataclass(MethodConfig, node['prompt_lookup_tree'], 'decoder.prompt_lookup_tree')\n"
+        "check_options('prompt_lookup_tree', spec, spec.options)\n"
+        "print(sorted(spec.options['lookup']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "tree" in out.stdout

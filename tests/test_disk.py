@@ -207,9 +207,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_for_the_resume(t
 
 
 def test_a_really_full_disk_during_training_is_named(tmp_path, monkeypatch):
-    monkeypatch.setattr(
-        "recipes.finetune.check_training_disk", lambda *a: None
-    )  # meet it for real
+    monkeypatch.setattr("recipes.finetune.check_training_disk", lambda *a: None)  # meet it for real
     sft_cfg(tmp_path)
     with tmpfs(tmp_path / "small", size="1m") as small:
         with pytest.raises(DiskFullError, match=r"the disk is full: writing .*small/run"):

@@ -200,7 +200,15 @@ def test_eagle3_sampling_matches_the_target_distribution(tmp_path, chain):
     m = tiny_vocab_model()
     head = random_tiny_vocab_head(m, tmp_path)
     prompt, samples = [3, 1, 4, 1, 5], 4000
-    cfg = DecodeConfig(max_new_tokens=4, temperature=1.0, draft_tokens=3, seed=3, costs="estimated", drafter=head, chain=chain).with_options(LookupOptions(fallback_trial=0))
+    cfg = DecodeConfig(
+        max_new_tokens=4,
+        temperature=1.0,
+        draft_tokens=3,
+        seed=3,
+        costs="estimated",
+        drafter=head,
+        chain=chain,
+    ).with_options(LookupOptions(fallback_trial=0))
     joint = exact_joint(m, prompt, 4, cfg)
     out = DECODERS["eagle3"](m, [prompt] * samples, cfg)
     accepted, drafted = sum(out.accepted), sum(out.drafted)

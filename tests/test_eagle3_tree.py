@@ -125,7 +125,9 @@ def test_tree_greedy_equals_autoregressive(name, engine, monkeypatch):
     m = target(name)
     path, prompts = head_dir(m), mixed_prompts(m)
     eos = m.config.eos_token_id
-    base = DecodeConfig(max_new_tokens=16, draft_tokens=4, costs="estimated", drafter=path, eos_token_id=eos).with_options(TREE)
+    base = DecodeConfig(
+        max_new_tokens=16, draft_tokens=4, costs="estimated", drafter=path, eos_token_id=eos
+    ).with_options(TREE)
     ref = autoregressive(m, prompts, replace(base, **REFERENCE)).tokens
     base = replace(base, **ENGINES[engine])
     for policy in ("constant", "adaptive"):
@@ -147,7 +149,15 @@ def test_tree_sampling_matches_the_target_distribution(tmp_path, monkeypatch):
     m = tiny_vocab_model()
     head = random_tiny_vocab_head(m, tmp_path)
     prompt, samples = [3, 1, 4, 1, 5], 4000
-    cfg = DecodeConfig(max_new_tokens=4, temperature=1.0, draft_tokens=4, seed=3, costs="estimated", policy="constant", drafter=head).with_options(Eagle3Options(tree=True, top_k=2))
+    cfg = DecodeConfig(
+        max_new_tokens=4,
+        temperature=1.0,
+        draft_tokens=4,
+        seed=3,
+        costs="estimated",
+        policy="constant",
+        drafter=head,
+    ).with_options(Eagle3Options(tree=True, top_k=2))
     joint = exact_joint(m, prompt, 4, cfg)
     out = DECODERS["eagle3"](m, [prompt] * samples, cfg)
     accepted, drafted = sum(out.accepted), sum(out.drafted)

@@ -455,7 +455,9 @@ def test_the_exit_report_refuses_a_bad_run_of_adapters_before_loading(tmp_path, 
     save_adapter(perturbed_adapter(m, 1, "block"), run_dir / "E1", m, tokenizer, vocab=torch.arange(3, 100))
     save_adapter(perturbed_adapter(m, 2, "block"), run_dir / "E2", m, tokenizer)
     (run_dir / "adapters.json").write_text(index)
-    monkeypatch.setattr("fastdecode.runtime.loading.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(
+        "fastdecode.runtime.loading.load_model", lambda *a, **k: pytest.fail("a model was loaded")
+    )
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("exits", overrides=["model=tiny-llama", f"adapter={run_dir}", f"output_dir={tmp_path}"])
     with pytest.raises(AdapterError, match=message):

@@ -20,9 +20,7 @@ def _history(run: Path, step: int) -> list[dict]:
 
 
 def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path, capsys):
-    summary = recipes.run(
-        layerskip_cfg(tmp_path, "recipe.exit_layer=2", "recipe.draft_vocab_size=8")
-    )
+    summary = recipes.run(layerskip_cfg(tmp_path, "recipe.exit_layer=2", "recipe.draft_vocab_size=8"))
     printed = capsys.readouterr().out
     # The closing lines: a small table and one sentence naming what auto runs and the machine, no raw dict.
     from fastdecode.runtime.machine import machine_label
@@ -219,9 +217,7 @@ def test_resume_repeats_the_same_losses(tmp_path, monkeypatch, curriculum):
 
 
 def test_lora_adapters_train_merge_and_reload(tmp_path):
-    summary = recipes.run(
-        layerskip_cfg(tmp_path, "peft=lora", "peft.r=4", "trainer.learning_rate=1e-2")
-    )
+    summary = recipes.run(layerskip_cfg(tmp_path, "peft=lora", "peft.r=4", "trainer.learning_rate=1e-2"))
     assert summary["export_check"]["abs_diff"] < 1e-4  # merged weights reproduce the live LoRA model
     merged = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
     assert not any("lora" in name for name, _ in merged.named_parameters())
@@ -273,9 +269,7 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path):
     plain.mkdir()
     ckpt.mkdir()
     recipes.run(layerskip_cfg(plain, "recipe.report.enabled=false"))
-    recipes.run(
-        layerskip_cfg(ckpt, "recipe.report.enabled=false", "+trainer.activation_checkpointing=true")
-    )
+    recipes.run(layerskip_cfg(ckpt, "recipe.report.enabled=false", "+trainer.activation_checkpointing=true"))
     losses = [[round(h["loss"], 4) for h in _history(p / "run", 4)] for p in (plain, ckpt)]
     assert losses[0] == losses[1]
 
@@ -285,9 +279,7 @@ def test_wandb_without_credentials_logs_offline(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    summary = recipes.run(
-        layerskip_cfg(tmp_path, "recipe.report.enabled=false", "trainer.report_to=wandb")
-    )
+    summary = recipes.run(layerskip_cfg(tmp_path, "recipe.report.enabled=false", "trainer.report_to=wandb"))
     import os
 
     assert os.environ["WANDB_MODE"] == "offline"

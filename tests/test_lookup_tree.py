@@ -193,7 +193,9 @@ def test_one_occurrence_drafts_what_the_chain_drafts():
         prompts = [[t + 10 for t in chunk * 3] for chunk in chunks[:3]]
         rows = [p[-rng.randint(1, 3) :] for p in prompts]
         policy = rng.choice(["constant", "adaptive"])
-        cfg = DecodeConfig(max_new_tokens=50, eos_token_id=10).with_options(LookupOptions(occurrences=1, tree=True))
+        cfg = DecodeConfig(max_new_tokens=50, eos_token_id=10).with_options(
+            LookupOptions(occurrences=1, tree=True)
+        )
         chain = PromptLookupProposer(prompts, cfg, CPU_LIKE, m.vocab_size)
         tree = TreeLookupProposer(prompts, cfg, CPU_LIKE, m.vocab_size)
         for proposer in (chain, tree):

@@ -12,7 +12,9 @@ from fastdecode.runtime.progress import human_seconds, phase
 
 
 def test_a_phase_logs_its_start_its_progress_and_its_duration(caplog, monkeypatch):
-    monkeypatch.setattr(fastdecode.runtime.progress, "LOG_EVERY", 0.0)  # every update may log (no terminal here)
+    monkeypatch.setattr(
+        fastdecode.runtime.progress, "LOG_EVERY", 0.0
+    )  # every update may log (no terminal here)
     with caplog.at_level(logging.INFO, logger="fastdecode.runtime.progress"):
         with phase("scoring", "3 examples", total=3, unit="example") as progress:
             for _ in range(3):

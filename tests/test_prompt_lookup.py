@@ -169,7 +169,9 @@ def test_the_command_caches_answers_resumes_and_reports_every_variant(tmp_path, 
     again = json.loads((tmp_path / "answers.json").read_text())["records"]
     assert len(again) == 5 and again[:3] == first
     # With every answer and the costs cached, the replay needs no model.
-    monkeypatch.setattr("fastdecode.runtime.loading.load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(
+        "fastdecode.runtime.loading.load_model", lambda *a, **k: pytest.fail("loaded the model")
+    )
     assert run(_job(tmp_path, "num_prompts=4"))[2:] != []
 
 

@@ -82,7 +82,9 @@ def _round(rows_tokens, prompts, limit):
 
 def test_prompt_lookup_drafts_per_row_cuts_at_eos_and_learns_what_pays():
     m = lively_model("tiny-llama")
-    cfg = DecodeConfig(max_new_tokens=50, eos_token_id=99).with_options(LookupOptions(max_ngram_size=2, eos="after"))
+    cfg = DecodeConfig(max_new_tokens=50, eos_token_id=99).with_options(
+        LookupOptions(max_ngram_size=2, eos="after")
+    )
     costs = estimate_costs(m)
     prompts = [[10, 11, 12, 99, 13, 14], [20, 21, 22]]
     proposer = PromptLookupProposer(prompts, cfg, costs, m.vocab_size)
@@ -324,8 +326,14 @@ def test_the_chain_judges_the_fallback_by_the_cost_model():
         ("prompt_lookup", {"policy": "constant"}),
         ("prompt_lookup", {"policy": "adaptive", "top_k": 4}),
         ("lookahead", {"policy": "constant"}),
-        ("self_speculative", {"exit_layer": 1, "chain": True, "policy": "constant", "groups": {"lookup": NEVER_RETIRED}}),
-        ("self_speculative", {"exit_layer": 1, "chain": True, "groups": {"lookup": LookupOptions(fallback_trial=1)}}),
+        (
+            "self_speculative",
+            {"exit_layer": 1, "chain": True, "policy": "constant", "groups": {"lookup": NEVER_RETIRED}},
+        ),
+        (
+            "self_speculative",
+            {"exit_layer": 1, "chain": True, "groups": {"lookup": LookupOptions(fallback_trial=1)}},
+        ),
     ],
     ids=["lookup", "lookup-adaptive-topk", "lookahead", "chain", "chain-retired"],
 )

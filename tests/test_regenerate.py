@@ -72,7 +72,9 @@ def test_a_second_eos_of_the_generation_config_ends_the_answers(tmp_path, monkey
 
     declared: list[int] = []
     monkeypatch.setattr(
-        fastdecode.runtime.loading, "load_model", second_eos_loader(fastdecode.runtime.loading.load_model, declared)
+        fastdecode.runtime.loading,
+        "load_model",
+        second_eos_loader(fastdecode.runtime.loading.load_model, declared),
     )
     run(_cfg(tmp_path, "num_prompts=4"))
     tokenizer = tiny_model("tiny-llama")[1]

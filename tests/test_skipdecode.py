@@ -464,7 +464,9 @@ def test_quality_report_stops_at_a_second_eos_of_the_generation_config(tmp_path,
 
     declared: list[int] = []
     monkeypatch.setattr(
-        fastdecode.runtime.loading, "load_model", second_eos_loader(fastdecode.runtime.loading.load_model, declared)
+        fastdecode.runtime.loading,
+        "load_model",
+        second_eos_loader(fastdecode.runtime.loading.load_model, declared),
     )
     rows: dict[str, list[list[int]]] = {"skipdecode": [], "autoregressive": []}
 

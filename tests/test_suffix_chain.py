@@ -106,7 +106,9 @@ def test_sampling_stays_lossless():
     the target's exactly computed one."""
     m = tiny_vocab_model()
     prompt = [3, 1, 4, 1, 5, 3, 1, 4]
-    cfg = DecodeConfig(max_new_tokens=4, temperature=1.0, draft_tokens=3, seed=3, costs="estimated", exit_layer=1, chain=True).with_options(NEVER_RETIRED, SuffixOptions(first=True, global_size=0, min_prob=0.0))
+    cfg = DecodeConfig(
+        max_new_tokens=4, temperature=1.0, draft_tokens=3, seed=3, costs="estimated", exit_layer=1, chain=True
+    ).with_options(NEVER_RETIRED, SuffixOptions(first=True, global_size=0, min_prob=0.0))
     joint = exact_joint(m, prompt, 4, cfg)
     out = DECODERS["self_speculative"](m, [prompt] * 4000, cfg)
     assert set(out.by_proposer) == {"suffix", "exit"}

@@ -160,7 +160,9 @@ def test_the_benchmark_never_drafts_a_prompt_its_own_answer(tmp_path, monkeypatc
 def test_the_benchmark_refuses_a_corpus_without_a_suffix_method_or_file(tmp_path, monkeypatch):
     from eval.speed import run as run_speed
 
-    monkeypatch.setattr("fastdecode.runtime.loading.load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(
+        "fastdecode.runtime.loading.load_model", lambda *a, **k: pytest.fail("the model loaded")
+    )
     built = build(tmp_path, [{"text": "abc abc"}])
     for methods in ("[autoregressive]", "[autoregressive,suffix_no_corpus]"):  # the latter never reads one
         cfg = tiny_speed_cfg(tmp_path, f"decoder={methods}", "hf_baseline=null", f"corpus={built['output']}")

@@ -1,18 +1,9 @@
-"""What the speed benchmark resolves once the target model is loaded, with its measured cost model
-(``fastdecode/plan/cost.py``: the device's default engine, measured once per model, machine, engine, thread count and
-batch size):
+"""What the speed benchmark resolves once the target model is loaded, with its measured cost model.
 
-- ``draft_tokens: auto`` (``configs/decoder/self_speculative.yaml``): ``choose_exit`` with the acceptance the
-  checkpoint records at the method's exit and head (``acceptance.json``: per token and per draft length; an
-  exit adapter's own record when the method drafts through one) gives a constant K when some K is expected to
-  pay; otherwise the adaptive policy with K <= ``AUTO_DRAFT_CAP``. ``Method.draft_source`` says which and why.
-- the ``auto`` method (``configs/decoder/auto.yaml``): one row that is ``generate(method="auto")`` itself
-  (``fastdecode.api.FastDecoder`` on the loaded model: the plan's first candidate for each batch size, with
-  exactly the options it was priced with), and one row per candidate of the plan, ``auto:<candidate>``
-  (``auto:prompt_lookup``, ``auto:prompt_lookup+exit``), best expected first, so that what ``auto`` chose is
-  measured beside what it could have chosen.
-
-Nothing here runs (and no cost model is measured) when no selected method needs it.
+``draft_tokens: auto`` becomes a constant K when the acceptance the checkpoint records says some K pays, else
+the adaptive policy with K <= ``AUTO_DRAFT_CAP`` (``resolve_draft_tokens``). The ``auto`` method becomes one
+row that is ``generate(method="auto")`` itself and one row per candidate of the plan, ``auto:<candidate>``
+(``expand_auto``). Nothing here runs when no selected method needs it. Details: docs/design/bench.md.
 """
 
 from __future__ import annotations
@@ -75,7 +66,7 @@ def _recorded(method: Method, job: SpeedJob, m: EarlyExitModel, costs: CostModel
 
 
 def resolve_draft_tokens(method: Method, job: SpeedJob, m: EarlyExitModel, costs: CostModel) -> None:
-    """``draft_tokens: auto`` of ``method`` (see the module docstring): rewrites its options (``policy``,
+    """``draft_tokens: auto`` of ``method`` (docs/design/bench.md): rewrites its options (``policy``,
     ``draft_tokens``) and sets ``draft_source``; a fixed K is left untouched."""
     options, exit_layer = method.options, method.exit_layer
     if options.get("draft_tokens") != AUTO:

@@ -1,18 +1,8 @@
-"""Results per prompt category, as Spec-Bench reports MT-bench (writing, roleplay, reasoning, math, coding,
-extraction, stem, humanities): speculative methods gain very differently across them (extraction and coding copy
-their input; writing does not), so one overall number hides where a method pays.
+"""Results per prompt category, as Spec-Bench reports MT-bench (writing, roleplay, reasoning, math, ...).
 
-Only prompt sets whose records carry a ``category`` field (MT-bench) get any of this; others are unchanged.
-
-- Which prompts: with ``n_prompts`` below the set's size, the records are taken round-robin across categories
-  (first-seen category order, each category's records in file order), so every category is represented:
-  ``n_prompts=8`` on MT-bench is one question per category, 16 two per category.
-- The mapping prompt id -> category goes into the result (``categories``) and every record (``categories``,
-  per row).
-- ``category_summary``: per (temperature, batch size, method, category), throughput, speedup against the
-  baselines on the same category's calls, acceptance and token match. A call counts for a category when all
-  its prompts belong to it (always at batch size 1; a batch mixing categories counts only overall).
-- ``category_table``: Markdown, speedup vs the baseline per method (rows) and category (columns).
+Only prompt sets whose records carry a ``category`` field get any of this. The module owns the round-robin
+choice of prompts across categories (``round_robin``), the per-category summary (``category_summary``) and
+its Markdown table (``category_table``). Why, and how calls are counted: docs/design/bench.md.
 """
 
 from __future__ import annotations
@@ -68,8 +58,8 @@ def record_category(record: Record) -> str | None:
 
 
 def category_summary(records: list[Record], baseline: str | None, hf_baseline: str | None) -> list[dict]:
-    """One row per (temperature, batch size, method, category) over the calls of one category (see the
-    module docstring); ``[]`` when no call has a category."""
+    """One row per (temperature, batch size, method, category) over the calls of one category
+    (docs/design/bench.md); ``[]`` when no call has a category."""
     by_category: dict[str, list[Record]] = defaultdict(list)
     for record in records:
         category = record_category(record)

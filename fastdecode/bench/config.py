@@ -1,27 +1,10 @@
 """The speed benchmark's typed config (``configs/speed.yaml``) and its checks, done before any model loads.
 
-A *method* is one entry of the ``decoder`` group (``configs/decoder/<name>.yaml``, several selected at once:
-``decoder=[autoregressive,self_speculative,hf_generate]``). Each file holds one mapping keyed by its own name:
-
-- ``engine: fastdecode``: ``decoder`` names a strategy in ``fastdecode.decoding.DECODERS``; ``options`` are
-  ``DecodeConfig`` fields (converted with ``to_dataclass``, so new fields flow through and typos fail), one
-  decoder's own options nested under its group (``options.jacobi.block``, ``options.skip.max_budget``);
-- ``engine: hf``: Hugging Face ``model.generate``; ``options`` are ``GenerationConfig`` fields
-  (``num_assistant_tokens``, ``assistant_confidence_threshold``, ...).
-
-``uses_exit_layer`` injects the job's exit layer E (``decoder.exit_layer`` for ours, ``assistant_early_exit`` for
-HF) unless ``options`` fixes one; ``uses_adapter`` injects the job's exit adapter (``adapter=PATH``, or the
-``exit_adapter/`` inside ``checkpoint``) as ``decoder.adapter``, whose E it reports; ``uses_drafter`` injects the
-job's EAGLE-3 head (``drafter=PATH``) as ``decoder.drafter``; ``uses_draft`` passes the
-draft model (``draft=`` / ``assistant_model=``);
-``max_batch_size`` skips larger batches with a recorded reason (HF assisted generation is batch-1 only), and
-``sampling: false`` skips temperatures > 0 (greedy-only methods such as Jacobi decoding).
-
-Two things wait for the loaded model (``fastdecode/bench/auto.py``), because they need its measured cost model:
-``draft_tokens: auto`` (the K the cost model picks from the acceptance the checkpoint records) and the ``auto``
-method (``decoder: auto``, not a ``DECODERS`` entry), which becomes one method per candidate of the plan
-(``fastdecode.plan.choose.plan_decoding``). Everything about them that can be checked without the model is checked
-here: their other options, the checkpoint's acceptance record, the adapter's record.
+A *method* is one entry of the ``decoder`` group (``configs/decoder/<name>.yaml``; several can be selected).
+``engine: fastdecode`` runs a decoder of ``fastdecode.registry.DECODERS`` with ``DecodeConfig`` options;
+``engine: hf`` runs Hugging Face ``generate`` with ``GenerationConfig`` options. ``draft_tokens: auto`` and
+the ``auto`` method wait for the loaded model (``fastdecode/bench/auto.py``); the rest of them is checked
+here. The ``uses_*`` switches and the other method keys: docs/design/bench.md.
 """
 
 from __future__ import annotations
@@ -56,7 +39,7 @@ AUTO_DRAFT_CAP = 8  # draft_tokens: auto without a usable recorded acceptance ->
 
 @dataclass
 class MethodConfig:
-    """One ``configs/decoder/<name>.yaml`` entry (see the module docstring)."""
+    """One ``configs/decoder/<name>.yaml`` entry (docs/design/bench.md)."""
 
     engine: str = "fastdecode"
     decoder: str | None = None
@@ -125,7 +108,7 @@ class Method:
     exit_layer: int | None = None
     grid: tuple[int, int] | None = None  # sweep: (exit layer, draft tokens)
     draft_source: str | None = None  # how ``draft_tokens: auto`` was resolved (after the model loads)
-    candidate: dict | None = None  # an ``auto`` method's plan candidate (``fastdecode.plan.choose.Candidate``)
+    candidate: dict | None = None  # an ``auto`` method's plan candidate (``plan.choose.Candidate``)
 
     @property
     def is_auto(self) -> bool:

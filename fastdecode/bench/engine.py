@@ -1,23 +1,10 @@
 """The execution-engine micro-benchmark behind ``eval/engine.py`` (``configs/engine.yaml``).
 
-What it measures, every path side by side in one process, interleaved (repeat -> T -> path -> component), the
-median and spread over ``repeats`` rounds, each round the mean of ``calls`` calls:
-
-- machine: streaming memory bandwidth (a sum over a ``bandwidth_mb`` tensor) and the fp32 GEMM peak;
-- forward cost vs T new tokens (``steps``) over a cache of ``context`` tokens, for the full model (embedding,
-  layers, head), layers ``[0, E)``, layers ``[E, L)``, the full head and a head of ``subset_rows`` rows (a
-  draft vocabulary), per path (``hf``: the HF modules; ``engine``: the default engine; ``static``: with the
-  static cache; ``compile``: compiled layer ranges on the static cache, compile time reported apart);
-- per-layer-call overhead: one layer call at T = 1 on a deep, narrow random Llama (``overhead_model``), where
-  the matrix products are negligible and what is left is framework time;
-- autoregressive decoding: our ``autoregressive`` decoder per path against HF ``generate`` (greedy, batch
-  ``ar_batch_sizes``, ``ar_new_tokens`` tokens after a ``context``-token prompt, EOS off), and the streaming
-  roofline (bytes of weights read per token / measured bandwidth);
-- all of it per thread count (``threads``); ``bf16: true`` adds the autoregressive comparison in bf16
-  (reported, not targeted: oneDNN's packed bf16 path needs AVX-512 or AVX-NE-CONVERT).
-
-Writes ``engine.json`` and ``engine.md`` into ``output_dir``. The job and its paths are ``engine_job.py``, the
-measurements ``engine_costs.py``, the Markdown ``engine_report.py``.
+It measures every path side by side in one process, interleaved, per thread count: the machine (memory
+bandwidth, GEMM peak), forward costs against the number of new tokens, per-layer-call overhead, and
+autoregressive decoding against HF ``generate``. It writes ``engine.json`` and ``engine.md``. The job and its
+paths are ``engine_job.py``, the measurements ``engine_costs.py``, the Markdown ``engine_report.py``. What
+each measurement runs: docs/design/bench.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """How the benchmark calls each method, and how every method's output is counted the same way.
 
-Every runner takes token-id prompts and returns a ``DecodeOutput`` whose ``tokens`` are the generated ids per
-row, EOS included once and nothing after it. Our decoders already return that; Hugging Face ``generate``
-returns padded ``[B, W + new]`` ids, which are cut after the prompt block and after the first EOS (padding of
-finished rows goes with it). Both get the same EOS set and the same sampling knobs.
-
-HF runs use a clean ``GenerationConfig`` holding only the benchmark's knobs and the method's ``options``: a
-checkpoint's own ``generation_config`` (e.g. ``assistant_early_exit`` or ``repetition_penalty``) would otherwise
-fill every unset field and silently change the baseline. It is swapped in for the call and restored after.
-The models' swapped-in config never holds ``assistant_early_exit`` (only the call's does): HF's early-exit
-drafter fills its own unset fields from the model's config, so a checkpoint whose ``generation_config.json`` sets
-``assistant_early_exit`` makes every draft call a nested assisted generation that re-prefills the prompt.
+Every runner takes token-id prompts and returns a ``DecodeOutput`` whose ``tokens`` hold the generated ids per
+row, EOS included once and nothing after it (``cut_at_eos`` trims Hugging Face's padded output). ``HFRunner``
+calls ``generate`` with a clean ``GenerationConfig`` that holds only the benchmark's knobs and the method's
+options. Why: docs/design/bench.md.
 """
 
 from __future__ import annotations
@@ -40,7 +33,7 @@ def cut_at_eos(row: list[int], eos: set[int]) -> list[int]:
 
 
 class FastdecodeRunner:
-    """One of our strategies (``DECODERS``) with the method's ``DecodeConfig``."""
+    """One of our strategies (``fastdecode.registry.DECODERS``) with the method's ``DecodeConfig``."""
 
     def __init__(
         self, method: Method, m: EarlyExitModel, draft: EarlyExitModel | None, job: SpeedJob, eos: set[int]

@@ -1,13 +1,9 @@
-"""The prompt lookup replay's job (``configs/lookup_replay.yaml``) and its answer cache: the model's own greedy
-answers to prompts of a training split, generated once and kept on disk with the cost model they are priced by.
+"""The prompt lookup replay's job (``configs/lookup_replay.yaml``) and its answer cache: the model's own
+greedy answers to prompts of a training split, kept on disk with the cost model they are priced by.
 
-Prompts are the first user turns of the data config's *training* split (``data.chat.training_prompts``; an
-evaluation set is refused before the model loads: what the replay chooses must not be tuned on what the speed
-benchmark measures). Answers are decoded greedily by the batched ``autoregressive`` decoder, stopping at the
-model's EOS ids (``fastdecode.tokens.eos_ids``). The cache is one JSON file rewritten atomically after every
-batch, so a killed run resumes where it stopped; a run with another model, data set or length is refused
-rather than mixed in. The measured cost model is kept in the same file (per ``machine_key``), so a replay on
-the cached answers is exactly repeatable and needs no model.
+Prompts come from the data config's training split; an evaluation set is refused. The cache is one JSON file
+rewritten atomically after every batch, so a killed run resumes; the answers of another job are refused.
+Details: docs/design/bench.md.
 """
 
 from __future__ import annotations

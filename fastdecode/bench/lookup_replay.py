@@ -1,15 +1,9 @@
 """Prompt lookup replayed over the model's known greedy answers: what each lookup variant drafts, has accepted
-and costs, by counting, not timing (``fastdecode-lookup-replay``; docs/BENCHMARKS.md, "Prompt lookup: which
-occurrence, which n, where EOS cuts").
+and costs, by counting, not timing (``fastdecode-lookup-replay``).
 
-Greedy decoding is lossless, so the ``prompt_lookup`` decoder emits the model's greedy answer whatever it
-drafts: given the answer, a draft's accepted length is its prefix match with the answer's next tokens, and
-the round emits the accepted drafts and the verifier's own token. ``replay`` runs the decoder's own parts (the
-proposer ``ngram.PromptLookupProposer``, the draft-length policy, ``Rows``, ``speculative.settle``) with the
-answer in place of the model, so its ``DecodeOutput`` is the decoder's, round for round
-(``tests/test_lookup_replay.py`` compares them). A round of k drafts costs ``CostModel.round_cost(k, 0)``
-plain decoding steps (batch 1: the cost model's unit), so a variant's expected speedup over autoregressive
-decoding is the tokens its rounds emit over the steps they cost.
+``replay`` runs the ``prompt_lookup`` decoder's own parts with the known answer in place of the model, so its
+``DecodeOutput`` is the decoder's, round for round. ``measure`` tallies every variant under every policy and
+``report`` writes the tables. Why the replay is exact: docs/design/bench.md.
 """
 
 from __future__ import annotations
@@ -207,11 +201,13 @@ def best(found: dict[tuple[Variant, str], Tally], policy: str) -> list[tuple[Var
 
 def prior_table(tally: Tally, draft_tokens: int) -> list[str]:
     """Markdown: conditional acceptance of draft position i after an n-token match, each cell accepted / tried,
-    from a replay whose drafts were not cut (``policy=constant``); the last column is what ``ngram.MATCH_PRIOR``
-    holds per n: positions 1, 2 and 3 onwards pooled."""
+    from a replay whose drafts were not cut (``policy=constant``); the last column is what ``MATCH_PRIOR``
+    (``fastdecode.plan.acceptance``) holds per n: positions 1, 2 and 3 onwards pooled."""
     sizes = sorted({n for n, _ in tally.prior})
     lines = [
-        "| n | " + " | ".join(f"position {i + 1}" for i in range(draft_tokens)) + " | MATCH_PRIOR (1, 2, 3+) |",
+        "| n | "
+        + " | ".join(f"position {i + 1}" for i in range(draft_tokens))
+        + " | MATCH_PRIOR (1, 2, 3+) |",
         "| --- |" + " --- |" * (draft_tokens + 1),
     ]
     for n in sizes:

@@ -1,19 +1,8 @@
 """The measurement loop: warm-up, then every method on every batch, interleaved, timed with the device synced.
 
-Before anything runs, one line says what will (``plan_line``: methods x prompts x repeats = timed calls, plus
-the warm-up calls), printed and logged; the progress bar over the timed calls shows the rate and the ETA.
-
-Order: repeat -> (temperature, batch size) -> batch -> method. The method order is rotated by one per batch, so
-each method runs first, second, ... equally often. A method whose ``max_batch_size`` is below a batch size is
-skipped there, and a greedy-only method at temperatures > 0, with the reason recorded.
-
-Per call: TTFT first (the same call with ``max_new_tokens=1``, when ``ttft`` is on), then the full call. Peak
-memory: ``torch.cuda.max_memory_allocated`` reset before each call on a GPU; on a CPU the process's peak RSS
-(monotonic, so it mostly reflects the largest method and the loaded weights).
-
-Suffix decoding's global index of earlier outputs (``fastdecode/drafters/suffix/sources.py``) is emptied after
-the warm-up and before each pass over the prompts (per repeat, temperature and batch size), and each method
-keeps its own: no prompt's own answer is in it when that prompt is decoded.
+It owns the schedule and the line that says what will run (``plan_line``), the warm-up, the timed calls
+(TTFT and peak memory included) and the skips: a batch above a method's ``max_batch_size``, a greedy-only
+method at temperature > 0. Order, rotation and memory details: docs/design/bench.md.
 """
 
 from __future__ import annotations

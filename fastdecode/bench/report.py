@@ -1,12 +1,9 @@
 """Writers for the speed benchmark: environment record, JSON, CSV, Markdown, and plots (matplotlib Agg).
 
-Files in ``output_dir`` (each written atomically): ``speed.json`` (everything, one ``json.dumps``; undefined
-values are null, never NaN), ``summary.csv``, ``records.csv``, ``speed.md``, ``speedup.png``, and when there is
-data for them ``category_summary.csv`` (prompt sets with categories: MT-bench), ``accept_hist.png``,
-``oracle.png``, ``sweep.png`` (exit layer x draft length heatmap).
-
-``speed.md``: the summary table (the best measured candidate of the ``auto`` method marked), one line on what
-``auto`` planned, picked and found not expected to pay, the speedup per category, skips, the oracle report.
+``write_report`` writes these files into ``output_dir``, each atomically: ``speed.json`` (everything;
+undefined values are null, never NaN), ``summary.csv``, ``records.csv``, ``speed.md``, ``speedup.png``, and
+when there is data for them ``category_summary.csv``, ``accept_hist.png``, ``oracle.png`` and ``sweep.png``.
+What ``speed.md`` holds: docs/design/bench.md.
 """
 
 from __future__ import annotations
@@ -199,7 +196,7 @@ def to_markdown(result: dict) -> str:
 
 
 def write_report(result: dict, output_dir: str) -> Path:
-    """Write every output file of the module docstring into ``output_dir``; returns the JSON path."""
+    """Write every output file the module docstring lists into ``output_dir``; returns the JSON path."""
     out = Path(output_dir)
     clean = finite(result)
     atomic_write_text(out / "speed.json", json.dumps(clean, indent=2, allow_nan=False) + "\n")

@@ -1,16 +1,9 @@
-"""The speed benchmark: check, read prompts, load, resolve what needs the model (``draft_tokens: auto``, the
-``auto`` method: ``auto.py``), say what will run, warm up, measure every method interleaved, summarise, write.
+"""The speed benchmark: check, read prompts, load, resolve what needs the model (``auto.py``), say what will run,
+warm up, measure every method interleaved, summarise, write.
 
-All methods run in one process on the same prompts. Per repeat, temperature and batch size, each batch is run
-by every method in turn (round-robin, the order rotated per batch so that no method always goes first), so
-machine drift hits every method alike. Each call is timed with the device synchronised before both clock
-reads. TTFT is the time of the same call with ``max_new_tokens=1`` (prefill + first token; our decoders do
-not expose the prefill separately), timed right before the full call. Warm-up calls (``warmup`` per method,
-on the first batch) are not recorded.
-
-Prompts: the first ``n_prompts`` records that fit (``n_prompts=null``: all of them), taken round-robin across
-categories on sets that have them (MT-bench: ``categories.py``), whose per-category rows and table the result
-then carries too.
+All methods run in one process on the same prompts, interleaved so that machine drift hits every method alike
+(``measure.py``). Prompts are the first ``n_prompts`` records that fit, taken round-robin across categories
+on sets that have them (``categories.py``). Timing and TTFT: docs/design/bench.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Per-call records and their summary: throughput, speedups, acceptance, token match, the oracle report.
 
-Counting is the same for every method: ``new_tokens`` is the number of generated ids per row, EOS included once,
-nothing after it (``engines.cut_at_eos``). Throughput is ``sum(tokens) / sum(time)``; the spread is the standard
-deviation of the per-repeat values. Speedups are ratios against the baselines measured in the same run, on the same
-prompts, at the same temperature and batch size. ``accept_lengths`` are tokens per verification (accepted drafts
-+ the verifier's own token); ``tokens_per_step`` is new tokens / decode steps (the prefill's token included,
-as in ``DecodeOutput``: tokens per forward for Jacobi decoding).
-
-Drafts are ragged: ``DecodeOutput.drafted`` holds one drafted length per verification and row (an n-gram
-proposer drafts nothing for a row whose text has no match, and another length per row). The acceptance rate is
-accepted / drafted over those per-row lengths, and position i's acceptance counts only the rows that drafted
-position i. ``by_proposer`` splits a chain's acceptance by the proposer that drafted (``prompt_lookup``, the
-exit, ...): accepted, drafted, the row rounds it drafted in.
+Counting is the same for every method: ``new_tokens`` is the number of generated ids per row, EOS included
+once, nothing after it (``engines.cut_at_eos``). Speedups are ratios against the baselines of the same run,
+prompts, temperature and batch size. How throughput, acceptance and ragged drafts are counted:
+docs/design/bench.md.
 """
 
 from __future__ import annotations

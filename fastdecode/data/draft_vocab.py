@@ -1,18 +1,9 @@
-"""Building and saving draft vocabularies (the data side): the token ids a drafter's LM head scores.
+"""Building draft vocabularies (the data side): the token ids a drafter's LM head scores.
 
-Why: on small models the LM head is a large share of a draft step (SmolLM2-135M: its 49,152 x 576 head costs
-about as much as 8 of its 30 layers). Restricted to the few thousand tokens that carry most of the training
-text, drafting gets cheaper; verification keeps the full head, so decoding stays lossless (a token outside
-the subset is never drafted, only emitted by the verifier). Loading and checking a file for decoding is the
-decoder side, ``fastdecode/decoding/draft_vocab.py``; the two share only the file format.
-
-Build once from the training data, save next to the checkpoint, point the decoder at it::
-
-    ids = draft_vocab_from_data(data_cfg, tokenizer, size=8192)
-    save_draft_vocab(Path(checkpoint) / DRAFT_VOCAB_FILE, ids, vocab_size=len(tokenizer), source=data_cfg.name)
-    generate(m, prompts, DecodeConfig(..., draft_vocab=str(Path(checkpoint) / DRAFT_VOCAB_FILE)))
-
-The file is JSON (``{"vocab_size", "ids", ...}``, ids most frequent first), written atomically.
+``draft_vocab_from_data`` ranks the trained-on tokens of a data config by frequency, special tokens first;
+``save_draft_vocab`` (``fastdecode/files/draft_vocab_file.py``) writes the file next to the checkpoint.
+Loading and checking it for decoding is the decoder side, ``fastdecode/decoding/draft_vocab.py``. Why a
+smaller head pays, and how to use one: docs/design/data.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""A client for an OpenAI-compatible completion server: regenerating answers on an existing engine.
+"""A client for an OpenAI-compatible completion server: regenerating answers on an existing serving engine.
 
-At scale the model's own answers (``fastdecode_cli.regenerate``) come from a serving engine rather than
-from our in-process decoder: any server that speaks the OpenAI HTTP API (``vllm serve``, SGLang,
-llama.cpp's server, llama-cpp-python's ``python -m llama_cpp.server``) given by URL. Standard library
-only (``urllib.request`` and threads): ``concurrency`` requests in flight, answers handed back in the
-prompts' order, greedy (temperature 0), each request retried with doubling waits on a connection error, a
-timeout or a 408/429/5xx answer. ``check`` asks ``/models`` once before any prompt is sent, so an
-unreachable URL or a model the server does not serve fails at once, naming the URL and the fix.
-
-Two endpoints: ``chat`` sends the user turn as chat messages to ``/chat/completions`` (the server applies
-the model's own chat template); ``completions`` sends our chat-templated prompt text to ``/completions``
-(its token ids are then exactly those our in-process decoder starts from).
+``OpenAIClient`` sends prompts to any server that speaks the OpenAI HTTP API, ``concurrency`` requests in
+flight, greedy, each retried on transient errors, and hands the answers back in the prompts' order. ``check``
+asks ``/models`` once before any prompt is sent. Standard library only. Endpoints and retries:
+docs/design/data.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Deterministic splits of a training set: the held-out conversations and the input-grounded requests.
 
-Both are set aside by hashing record ids (``sha256(seed:...:id)``), so a split depends on the ids only (not on
-file order, not on ``max_samples``), and no training split ever contains them:
-
-- ``grounded``: conversations whose first user turn asks to rewrite, summarise, translate, fix (or convert,
-  refactor, paraphrase, ...) a text or code that the turn itself gives (``is_grounded_request``). Their answers
-  copy spans of the input, which is where n-gram drafting pays (prompt lookup decoding, Saxena 2023; Spec-Bench's
-  summarisation and RAG categories); ``eval/speed.py data=sharegpt_grounded`` benchmarks them. Chosen first,
-  among the records that match.
-- ``held_out``: plain held-out conversations, chosen among the rest.
+Both are set aside by hashing record ids, so a split depends on the ids only, and no training split ever
+contains them. ``grounded``: requests to rewrite, summarise, translate, fix, ... a text the turn itself gives
+(``is_grounded_request``), chosen first. ``held_out``: plain conversations, chosen among the rest. Why
+grounded requests matter: docs/design/data.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""The chain: a first stage that drafts from text, per row (``FirstStage``: prompt lookup, ``ngram.py``, or
-suffix decoding with ``decoder.suffix.first``, ``suffix.py``), and a chainable proposer (the exit, the exit
-adapter, a draft model, an EAGLE-3 head, ``drafters.ProposerKind.chainable``) where it finds nothing; its
-judge retires that fallback where it stops paying.
+"""The chain: a first stage drafts from a row's text, and a chainable drafter drafts where it finds nothing.
 
-When every decoding row matches, the first stage's draft passes the fallback's layers in one forward
-(``absorb``); otherwise the matching rows force their tokens into the fallback's token-by-token draft. Drafts
-of the first stage are deterministic (q one-hot): sampling stays lossless.
+``FirstStage`` is what a first stage offers (prompt lookup, ``fastdecode/drafters/lookup/ngram.py``, or
+suffix decoding with ``decoder.suffix.first``, ``fastdecode/drafters/suffix/proposer.py``). ``ChainProposer``
+runs one before a chainable proposer (``fastdecode.decoding.kinds.ProposerKind.chainable``: the exit, the
+exit adapter, a draft model, an EAGLE-3 head) and retires that fallback where it stops paying; ``Books``
+keeps its judge's counts, which ``carrying`` carries from call to call. Design notes: docs/design/decoding.md.
 """
 
 from __future__ import annotations
@@ -106,7 +105,7 @@ class FirstStage(Proposer):
 class ChainProposer(Proposer):
     """``lookup`` first, per row (a ``FirstStage``: prompt lookup, or suffix decoding); ``fallback`` (any
     chainable proposer: the exit, the exit adapter, a draft model, an EAGLE-3 head,
-    ``drafters.ProposerKind.chainable``) where the lookup finds nothing.
+    ``kinds.ProposerKind.chainable``) where the lookup finds nothing.
 
     The fallback drafts only while it pays on this call's text: once it has drafted ``judge_after`` row-rounds
     and the tokens those rounds yielded (accepted + the verifier's own) fall short of the plain decoding steps

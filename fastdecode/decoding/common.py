@@ -1,12 +1,10 @@
-"""What every decoding strategy shares: the config, the output record, prompt batching, logits processing.
+"""What every decoding strategy shares: the checks, prompt batching and prefill, logits processing, rows.
 
-Every strategy is a free function with one signature (see ``fastdecode/decoding/__init__.py``)::
-
-    generate(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=None) -> DecodeOutput
-
-Prompts of a batch are left-padded into one ``[B, W]`` block; padding slots are invalid in the cache's
-``key_valid`` mask, and each row counts positions from 0 at its first real token, so a batched row decodes
-exactly (bit-identically in fp32) like the same row alone.
+Every strategy is a free function ``generate(m, prompts, cfg, draft=None) -> DecodeOutput`` (each one is
+named in ``fastdecode/registry.py``); its config and output record are ``config.py``'s. A batch's prompts are
+left-padded into one ``[B, W]`` block, and each row counts positions from 0 at its first real token, so a
+batched row decodes like the same row alone. ``Rows`` keeps the tokens emitted per row; ``streaming`` hooks
+them as they are emitted.
 """
 
 from __future__ import annotations

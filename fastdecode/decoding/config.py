@@ -17,7 +17,7 @@ from fastdecode.plan.cost import SOURCES as COST_SOURCES
 from fastdecode.runtime.fast_linear import KERNELS
 from fastdecode.skipdecode import SkipOptions
 
-O = TypeVar("O", bound="DrafterOptions")
+OptionsT = TypeVar("OptionsT", bound="DrafterOptions")
 
 # group name -> its options class; filled as each drafter's options class is defined (``DrafterOptions``)
 OPTION_GROUPS: dict[str, type[DrafterOptions]] = {}
@@ -36,7 +36,7 @@ class DrafterOptions:
         OPTION_GROUPS[group] = cls
 
     @classmethod
-    def of(cls: type[O], cfg: DecodeConfig) -> O:
+    def of(cls: type[OptionsT], cfg: DecodeConfig) -> OptionsT:
         return cfg.groups.get(cls.group) or cls()
 
     def check_call(self, m: Any, cfg: DecodeConfig, decoder: str) -> None:
@@ -80,7 +80,7 @@ class DecodeConfig:
     seed: int = 0
     draft_vocab: str | None = None
     adapter: str | None = None
-    drafter: str | None = None  # an EAGLE-3 head directory (decoder 'eagle3', fastdecode/drafters/eagle3/files.py)
+    drafter: str | None = None  # an EAGLE-3 head directory (fastdecode/drafters/eagle3/files.py)
     skip: SkipOptions = field(default_factory=SkipOptions)  # the skipdecode decoder's options
     jacobi: JacobiOptions = field(default_factory=JacobiOptions)  # the jacobi decoder's options
     # a drafter's option groups by name (``decoder.<group>.*``): each drafter declares its own (DrafterOptions)
@@ -212,7 +212,7 @@ class DecodeOutput:
                 self.position_accepted[i] += int(i < a)
             if sources is not None and sources[row] is not None:
                 tally = self.by_proposer.setdefault(sources[row], [0, 0, 0])
-                tally[0], tally[1], tally[2] = tally[0] + a, tally[1] + d, tally[2] + int(d > 0)
+                tally[0] += a
+                tally[1] += d
+                tally[2] += int(d > 0)
         self.oracle += oracle
-
-

@@ -1,15 +1,10 @@
 """Greedy Jacobi decoding (the CLLM decoder): refine a block of ``decoder.jacobi.block`` tokens in parallel
-until it reaches its fixed point, which equals greedy autoregressive output (fastdecode/jacobi.py).
+until it reaches its fixed point, which equals greedy autoregressive output.
 
-Initial guess (``decoder.jacobi.init``): ``repeat`` (default) repeats the known next token, ``prompt`` draws
-uniformly from the row's prompt and output so far (what CLLM training trajectories start from), ``vocab``
-from the whole vocabulary; random draws are seeded per row from ``decoder.seed``. In every case ``y(0)[0]``
-is the known next token, so each forward fixes at least one token.
-
-A row stops as soon as its verified tokens contain EOS or fill ``max_new_tokens``: the rest of its block
-need not converge. ``steps`` counts forwards (tokens per forward = ``num_tokens / steps``, the prefill's token
-included in ``num_tokens``); ``fast_forward`` holds the tokens fixed per forward and row, ``stationary`` the
-stationary tokens per converged block and row.
+The iteration itself is ``fastdecode/jacobi.py``. This module owns the decoder: its checks, each row's
+initial guess (``decoder.jacobi.init``), the early finish of a row whose verified tokens already hold an EOS
+or fill its budget, and what it counts (``steps``, ``fast_forward``, ``stationary``). Design notes:
+docs/design/decoding.md.
 """
 
 from __future__ import annotations

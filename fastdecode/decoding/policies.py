@@ -1,17 +1,9 @@
-"""Draft-length policies shared by the speculative decoders.
+"""Draft-length policies: how many tokens a proposer may draft per round, and whether to draft one more.
 
-A policy (a ``DraftPolicy``) is a small object the decoder asks, per round, how many tokens it may draft
-(``draft_limit``) and tells how the round went (``update``). Dynamic policies also decide per drafted token
-(``keep_drafting``).
-
-No host synchronisation per draft token: ``keep_drafting`` gets the drafter's probabilities of the drafted
-tokens as a device tensor and returns a device bool. The decoder copies it to the host with
-``non_blocking=True`` (``LaggedFlag``) and reads it only after it has launched the next token's pass through
-the draft layers - work that is needed whatever the flag says (the last drafted token must pass those
-layers before verification). So the host reads one token late, yet the draft stops exactly after the token
-that failed the test; on a GPU the read waits only for work that the device finished long before.
-
-Batches: a dynamic policy keeps drafting while any active row wants to; per-row acceptance decides the rest.
+A ``DraftPolicy`` gives ``draft_limit`` before a round, decides per drafted token in ``keep_drafting``
+(dynamic policies only) and learns from ``update``; ``POLICIES`` names them for ``decoder.policy``.
+``LaggedFlag`` brings a dynamic policy's decision, a device tensor, to the host one draft token late, so
+drafting never waits on a sync per token. Design notes: docs/design/decoding.md.
 """
 
 from __future__ import annotations
@@ -156,7 +148,8 @@ POLICIES: dict[str, type[DraftPolicy]] = {
 
 
 class LaggedFlag:
-    """A device bool that the host reads one draft token after it was computed (see the module docstring)."""
+    """A device bool that the host reads one draft token after it was computed: ``push`` starts a
+    non-blocking copy, ``read`` comes after the next token's pass was launched (docs/design/decoding.md)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"

@@ -1,31 +1,11 @@
-"""Proposers: the drafters of the speculative loop (``speculative.speculate``), one object per kind of draft.
+"""Proposers: the base of every drafter that the speculative loop (``speculative.speculate``) verifies.
 
-A proposer owns what its drafts depend on and what they cost: its prefill and caches, its draft vocabulary
-(``vocab``: the head rows it scores, None for the full head or no head), its cost per drafted token and per
-round in plain decoding steps (``fastdecode/plan/cost.py``), its state between rounds (``update``). The loop knows
-none of that. Model-based proposers here:
-
-- ``ExitProposer``: self-speculation (LayerSkip): the target's own layers ``< E`` and the shared head, writing
-  into the target's cache, handing the exit hidden states over for verification (each token passes each
-  layer once); with an exit adapter (Kangaroo, ``fastdecode/drafters/exits/adapter.py``) the head reads the adapter's
-  output over the adapter's own draft vocabulary.
-- ``DraftModelProposer``: a separate, smaller draft model with the target's tokenizer, with its own cache in
-  the target's slot layout (HF's ``assistant_model``).
-
-N-gram proposers (prompt lookup, and a chain that asks the lookup first) are in ``ngram.py``; lookahead's
-Jacobi pool in ``lookahead.py``.
-
-Both model proposers draft token by token (``draft``): ``t, d1, .., d_{k-1}`` through the drafter -> d1..dk,
-then d_k through it too (self-speculation verifies on its hidden state; a draft model's cache must hold every
-accepted token), which also lets dynamic policies read their stop flag one token late (``LaggedFlag``). A
-chain may force a row's tokens (an n-gram match): the row then drafts those instead of the drafter's own,
-with q a one-hot (lossless). ``absorb`` passes a whole draft made elsewhere through the drafter in one
-forward, so its cache (and an adapter's backlog) stays complete.
-
-Exit adapters: every token the adapter sees once. The last token of a draft is never proposed from, so it is
-kept in a backlog and passes the adapter together with the next round's first token, if rollback kept its
-slot (the adapter's keys/values depend only on each token's own exit hidden state and position, so that late
-write is exactly what an immediate one would have been).
+A ``Proposer`` owns what its drafts depend on and what they cost: its prefill and caches, its draft
+vocabulary, its cost per drafted token and per round in plain decoding steps (``fastdecode/plan/cost.py``),
+its state between rounds. ``ModelProposer`` drafts token by token through a model's first blocks (the
+subclasses are ``fastdecode/drafters/exits/proposer.py`` and ``fastdecode/drafters/draft_model/proposer.py``).
+``merge_forced``, ``propose_token`` and ``pick_token`` are helpers the drafters share. Design notes:
+docs/design/decoding.md.
 """
 
 from __future__ import annotations
@@ -51,7 +31,7 @@ class Proposer:
     """Base of the proposers. ``name`` labels its drafts; ``depth``: target blocks its drafts leave run (the
     verifier runs the rest); ``costs``: the target's cost model; ``policy``: set by the loop.
 
-    A proposer that may follow prompt lookup in a chain (``ngram.ChainProposer``) also drafts with some rows'
+    A proposer that may follow prompt lookup in a chain (``chain.ChainProposer``) also drafts with some rows'
     tokens forced (``draft``), takes a whole draft made elsewhere (``absorb``) and stops drafting when the
     chain retires it (``retire``): the defaults here serve a proposer that keeps no cache of its own."""
 
@@ -78,7 +58,7 @@ class Proposer:
 
     def ride_cost(self) -> float:
         """What this drafter costs in a chain's round that prompt lookup drafted (its state kept up to date),
-        in plain decoding steps; ``drafters.Offer.ride_cost`` plans with the same."""
+        in plain decoding steps; ``kinds.Offer.ride_cost`` plans with the same."""
         return 0.0
 
     def marginal_costs(self, max_tokens: int) -> list[float]:
@@ -127,7 +107,8 @@ def merge_forced(own: Draft, forced: Forced, name: str, first: str = "prompt_loo
     width = max(own.k, tokens.shape[1])
     pad = torch.zeros(tokens.shape[0], width, dtype=torch.long, device=tokens.device)
     merged, mine = pad.clone(), pad.clone()
-    merged[:, : tokens.shape[1]], mine[:, : own.k] = tokens, own.tokens
+    merged[:, : tokens.shape[1]] = tokens
+    mine[:, : own.k] = own.tokens
     use = torch.tensor([n > 0 for n in lengths], device=tokens.device)[:, None]
     merged = torch.where(use, merged, mine)
     own_lengths = own.row_lengths()

@@ -1,18 +1,9 @@
 """SkipDecode decoding: one dense, shrinking set of layers per step for the whole batch, KV-cached.
 
-Step ``k`` (the k-th new token of every row) runs the warm-up layers ``[0, w)`` and the top layers
-``[L-(b(k)-w), L)`` of the policy in ``fastdecode/skipdecode.py``; the prompt is prefilled at full depth.
-The loop is autoregressive decoding's (``autoregressive.decode_steps``) with that per-step schedule.
-
-Why the cache stays complete without recomputation: the adapter puts the queries of a ``run_layers`` call at
-slot ``cache.lengths[start]``. Layer 0 (when ``w > 0``) and every top layer that runs at step ``k`` also ran
-at every earlier step (the budget never increases), so their lengths all equal the current slot and their
-caches hold every earlier token. A layer skipped at step ``k`` is never run again, so its shorter cache is
-never read. The slot of the step is taken from the last layer, which every step runs.
-
-The options (``DecodeConfig.skip``, ``decoder.skip.*``) are ``fastdecode.skipdecode.SkipOptions``, the ones
-the recipe trains with; a ``recipe=skipdecode`` checkpoint records its policy in ``skipdecode.json``, which
-``fastdecode.from_pretrained`` and ``eval/skipdecode_quality.py`` decode with (``trained_options``).
+Step ``k`` runs the warm-up layers ``[0, w)`` and the top layers ``[L-(b(k)-w), L)`` of the policy in
+``fastdecode/skipdecode.py``, whose options are ``decoder.skip.*`` (``DecodeConfig.skip``); the prompt is
+prefilled at full depth. The loop is ``autoregressive.decode_steps`` with that schedule. Why the cache stays
+complete, and where trained options come from: docs/design/decoding.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """The one speculative loop: a proposer drafts, the target verifies, the rows settle, every cache rolls back.
 
-Every draft-then-verify decoder is this loop over a proposer (``fastdecode/decoding/proposers.py``,
-``ngram.py``), as in vLLM's split of proposers from the scorer::
-
-    draft:   the proposer drafts up to ``limit`` tokens d1..dk after the last accepted token t (per row: a
-             ragged batch pads shorter drafts, ``Draft.lengths``)
-    verify:  the target scores [t, d1..dk] (k+1 positions) in one pass; a proposer that already ran the
-             target's first blocks on them (self-speculation: layers < E) hands over their hidden states
-    accept:  per row a_b drafts (greedy prefix match, or the lossless sampling rule) plus one token from the
-             verifier (correction or bonus)
-    settle:  emit, roll every cache back to the same length by its pointer (rows that accepted fewer leave
-             holes), book the statistics, tell the policy and the proposer
-
-Sampling stays lossless for every proposer: ``Draft.probs`` holds each drafted token's distribution q after
-the same temperature/top-k/top-p processing as the target's (a one-hot for a deterministic draft such as an
-n-gram lookup), and ``accept`` applies the rule of Leviathan et al. / Chen et al. to it.
-
-A draft may be a token tree (``Draft.parents``; SpecInfer, EAGLE-2): many candidate continuations verified in
-the one pass, each node at its depth's position attending to its ancestors only (the cache's block mask).
-``rule`` then accepts one branch (``tree.py``: the longest agreeing one, or multi-candidate speculative
-sampling), moves it next to t in every cache, and settles it as the chain it has become. A chain
-(``parents`` None) runs exactly the code it always did.
-
-Compiled and static-shape execution is the engine's (``fastdecode/runtime/engine.py``); this module is the same on
-every path. Measurements: docs/BENCHMARKS.md.
+Every draft-then-verify decoder is ``speculate`` over a ``Proposer`` (``proposers.py``; the drafters live in
+``fastdecode.drafters``). This module owns a round's records (``Round``, ``Draft``, ``Verdict``, ``Settled``),
+the verification pass (``verify``, which captures feature layers with ``run_capturing``), the lossless
+acceptance rule (``accept``, and ``rule`` for token trees with ``tree.py``), and ``settle`` and ``rollback``
+of every cache. Design notes: docs/design/decoding.md.
 """
 
 from __future__ import annotations
@@ -257,7 +238,8 @@ def run_capturing(
     seen = {}
     for stop in sorted(set(layers)):
         hidden = m.run_layers(hidden, depth, stop, pos, cache=cache)
-        seen[stop], depth = (m.exit_hidden(hidden) if stop == m.num_layers else hidden), stop
+        seen[stop] = m.exit_hidden(hidden) if stop == m.num_layers else hidden
+        depth = stop
     hidden = m.run_layers(hidden, depth, m.num_layers, pos, cache=cache)
     return hidden, torch.cat([seen[i] for i in layers], -1)
 

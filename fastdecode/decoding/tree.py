@@ -1,26 +1,10 @@
-"""Token trees: verifying many candidate continuations in one target pass (SpecInfer, Miao et al. 2024;
-Medusa, Cai et al. 2024; EAGLE-2, Li et al. 2024).
+"""Token trees: the pure functions that verify many candidate continuations in one target pass.
 
-A tree draft (``speculative.Draft.parents``) holds k nodes after the last accepted token t; node j's parent is
-``parents[:, j]`` (-1: t), a parent comes before its children and siblings carry distinct tokens. The target
-scores [t, d1..dk] in one forward where each position attends only to its ancestors (``ancestor_mask``) at
-the position of its depth (``depths``), so each node's logits are those of the sequence along its branch.
-Then one branch is accepted:
-
-- greedy (``greedy_walk``): from t, follow the child whose token is the target's argmax at its parent; the
-  longest matching branch. Exactly the tokens plain greedy decoding would emit.
-- sampling (``sample_walk``): multi-candidate speculative sampling for deterministic candidates (SpecInfer;
-  EAGLE's tree sampling): at a node with target distribution p and children c1..cm in draft order, accept
-  ci with probability p(ci) / sum(p); on rejection remove ci's mass from p (p <- max(p - onehot(ci), 0),
-  renormalised implicitly); all rejected: the next token is drawn from what is left. Why lossless: the first
-  child is emitted with probability p(c1); given its rejection the residual is p conditioned on "not c1",
-  so by induction every token x is emitted with probability p(x) (distinct siblings make the removals
-  disjoint), and an accepted child continues from the target's own distribution at its position.
-
-Everything here is a pure function over tensors (the loop, the caches and the compaction of the accepted
-branch are ``speculative.py``'s and ``cache.py``'s). Loops run over the k nodes (k is a draft's length, a
-few dozen at most). The bookkeeping runs on host lists: per-node device ops cost more than the whole walk on a
-CPU, and the loop syncs once a round anyway.
+A tree draft (``speculative.Draft.parents``) holds k nodes after the last accepted token t, parents before
+children, siblings with distinct tokens. ``ancestor_mask`` and ``position_depths`` lay it out for one
+forward; ``greedy_walk`` and ``sample_walk`` accept one branch (greedy: the longest the target agrees with;
+sampling: multi-candidate speculative sampling, lossless); ``path_order`` and ``node_depth`` linearise it.
+``row_depths`` is the one home of a node's depth. Derivations: docs/design/decoding.md.
 """
 
 from __future__ import annotations
@@ -28,8 +12,8 @@ from __future__ import annotations
 import torch
 
 
-def _depths(row: list[int]) -> list[int]:
-    """One row's node depths from its parent list (parents come first)."""
+def row_depths(row: list[int]) -> list[int]:
+    """One row's node depths (1: a child of t) from its parent indices (-1: t; parents come first)."""
     found: list[int] = []
     for parent in row:
         found.append(1 if parent < 0 else found[parent] + 1)
@@ -38,7 +22,7 @@ def _depths(row: list[int]) -> list[int]:
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
     """``parents [B, k]`` -> ``[B, k]`` long: each node's depth (a child of t: 1)."""
-    rows = [_depths(row) for row in parents.tolist()]
+    rows = [row_depths(row) for row in parents.tolist()]
     return torch.tensor(rows, dtype=torch.long, device=parents.device).reshape(parents.shape)
 
 
@@ -66,7 +50,7 @@ def position_depths(parents: torch.Tensor, width: int) -> torch.Tensor:
     """``[B, W]`` long: the depth of each of the ``width`` verified positions (t: 0, padding hanging off t: 1),
     what is added to t's position for rotary embeddings and the cache's key positions."""
     k = parents.shape[1]
-    rows = [[0, *_depths(row), *[1] * (width - k - 1)] for row in parents.tolist()]
+    rows = [[0, *row_depths(row), *[1] * (width - k - 1)] for row in parents.tolist()]
     return torch.tensor(rows, dtype=torch.long, device=parents.device).reshape(parents.shape[0], width)
 
 
@@ -96,7 +80,9 @@ def sample_walk(
     p: torch.Tensor,
     uniforms: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Multi-candidate speculative sampling of deterministic candidates (the module docstring's rule).
+    """Multi-candidate speculative sampling of deterministic candidates: at a node, accept child ci with
+    probability p(ci) / sum(p), else remove ci's mass from p; all rejected: the next token is drawn from
+    what is left (why this is lossless: docs/design/decoding.md).
 
     ``tokens, parents, valid [B, k]``; ``p [B, k+1, V]`` the target's distributions (after the sampling
     processing) at ``[t, d1..dk]``; ``uniforms [B, k]`` in [0, 1), one acceptance test per node. Returns

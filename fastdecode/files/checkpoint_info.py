@@ -1,13 +1,10 @@
 """What a checkpoint directory says about itself, read without loading any weights.
 
-A trained ``final/`` is a plain Hugging Face directory plus ``fastdecode.json`` (``SIDECAR_FILE``): the recipe,
-the run's name, the base model's config and, for LayerSkip, the recommended exit E. The exit is kept out of
-``generation_config.json`` by default because transformers then self-speculates inside every ``generate``
-call, which refuses batches larger than one (and, on long prompts, nests a second assisted generation).
-
-``checkpoint_model`` turns ``checkpoint=PATH`` into the ``ModelConfig`` every entry point loads: the family
-from ``config.model_type``, the tokenizer saved with it, the run's label. A model config chosen by hand that
-contradicts the checkpoint (another family or depth) is refused here, before any work, naming both.
+A trained ``final/`` is a plain Hugging Face directory plus ``fastdecode.json`` (``SIDECAR_FILE``): the
+recipe, the run's name, the base model's config and, for LayerSkip, the recommended exit E.
+``checkpoint_model`` turns ``checkpoint=PATH`` into the ``ModelConfig`` every entry point loads, and refuses a
+model config chosen by hand that contradicts it. Why E stays out of ``generation_config.json``:
+docs/design/files.md.
 """
 
 from __future__ import annotations

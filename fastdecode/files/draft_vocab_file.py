@@ -1,5 +1,6 @@
-"""The draft vocabulary file format, shared by the data side (``data/draft_vocab.py`` builds and saves) and
-the decoder side (``decoding/draft_vocab.py`` loads and checks; ``exit_adapter.py`` saves its own copy).
+"""The draft vocabulary file format, shared by the data side (``data/draft_vocab.py`` builds the ids, the
+recipes save them here) and the decoder side (``decoding/draft_vocab.py`` loads and checks;
+``drafters/exits/adapter.py`` saves an adapter's own copy).
 
 JSON ``{"vocab_size": V, "size": S, ..., "ids": [...]}``, ids most frequent first, written atomically.
 """

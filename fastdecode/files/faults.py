@@ -1,21 +1,9 @@
 """Fault injection for the reliability tests: kill this process at a named point, like a preempted node, or
 make the write there fail as on a full or read-only disk.
 
-``FASTDECODE_FAULT=NAME`` or ``NAME@N`` makes :func:`fault_point` (``NAME``, at ``N``) send SIGKILL to its own
-process: no ``finally`` blocks, no flushing, exactly what the OOM killer or a lost node does. With a kind in
-front, ``KIND:NAME[@N]``, the point raises instead (kill-free fault tests): ``enospc:`` an
-``OSError(ENOSPC)`` ("No space left on device"), ``erofs:`` an ``OSError(EROFS)`` ("Read-only file system").
-The points:
-
-- ``step@N``: a training step N has ended, before anything of step N is saved (between checkpoints);
-- ``checkpoint@N``: the Trainer is writing ``checkpoint-N``: its weights are written, its optimizer, scheduler,
-  RNG and trainer state are not;
-- ``export``: the final export is complete in its staging directory and not yet renamed onto ``final/``;
-- ``shard@K``: tensor shard K (``fastdecode.files.tensor_shards``: feature caches) is written, not yet committed;
-- ``trajectory@K``: a batch of trajectories is appended to shard K (``cllm_train/shards.py``), not committed;
-- ``writable``: the probe file of an output directory's writability check (``fastdecode.files.io.check_writable``).
-
-Unset (always, outside tests), a fault point costs one environment lookup.
+``FASTDECODE_FAULT=NAME[@N]`` makes :func:`fault_point` send SIGKILL to its own process at that point;
+``KIND:NAME[@N]`` (``enospc:``, ``erofs:``) raises the matching ``OSError`` instead. Unset (always, outside
+tests), a fault point costs one environment lookup. The points and where they sit: docs/design/files.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """``FileCache``: objects loaded from files, kept until a file changes. The one cache of anything read from disk.
 
-An entry is looked up by the files' resolved paths (and a key of the caller's, e.g. the device) and is valid
-while every file keeps its identity: size and modification time in nanoseconds (``file_identity``). A rewritten
-file (an adapter trained again into the same directory, a rebuilt draft vocabulary) is loaded again on the next
-call; the stale entry is replaced, not kept beside it. With ``owner`` the entries belong to that object (the
-model an exit adapter was checked against) and are held per owner, weakly: an owner that goes away takes its
-entries with it.
-
-What is cached in memory only, from measurements rather than files, is kept where it is measured: the kernel
-plans (``engine.py``), the built engines and the cost model of a model (``EarlyExitModel``).
+An entry is looked up by the files' resolved paths (and a key of the caller's) and is valid while every file
+keeps its size and modification time (``file_identity``); a rewritten file is loaded again. With ``owner``,
+entries are held per owner, weakly. Details, and what is cached elsewhere: docs/design/files.md.
 """
 
 from __future__ import annotations

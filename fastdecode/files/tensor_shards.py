@@ -1,18 +1,9 @@
 """Crash-safe sharded tensor records: what the manifest lists is never lost or duplicated (kill -9 safe).
 
-A record is a dict of tensors whose first dimensions may differ between records (one sequence's features,
-its scored positions, ...). Records are written in order, ``shard_records`` per shard; a shard is one
-safetensors file holding, per field, the records' tensors concatenated along dim 0 and their offsets.
-
-Commit protocol (the same two steps as ``cllm_train/shards.py``, for immutable binary shards):
-
-1. the shard is written to a temporary file beside it, fsynced and renamed onto its final name;
-2. ``manifest.json`` (the header, the committed shards and their record counts) is replaced atomically.
-
-The manifest is the only truth. A kill before step 2 leaves a shard the manifest does not list: a restart
-deletes it (and any temporary file) and recomputes those records from ``manifest["records"]`` on, so every
-record is committed exactly once. A restart with another header (model, tokenizer, settings) is refused:
-``ShardHeaderError`` names the differing keys.
+``ShardWriter`` writes records (dicts of tensors) in order into safetensors shards and commits each shard by
+an atomic rename, then an atomic rewrite of ``manifest.json``, the only truth; a restart deletes what the
+manifest does not list and resumes. ``ShardReader`` reads the records back. A restart with another header is
+refused (``ShardHeaderError``). The commit protocol: docs/design/files.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """What a checkpoint records about its drafters: the acceptance ``auto`` plans with, kept inside the checkpoint.
 
-``acceptance.json`` in a model directory (``final/``, written atomically with the rest of the export; an
-intermediate ``checkpoint-N/`` has none, so it never borrows the final model's numbers) lists per drafter,
-measured on the model's own greedy answers to held-out prompts:
-
-- ``acceptance``: top-1 agreement of the drafter with the final layer per generated token;
-- ``tokens_per_round``: per draft length K, the tokens a self-speculation round of K drafts yields (the
-  verifier's own token included), replayed exactly from the per-token agreement (``replay_rounds``). Unlike
-  ``expected_tokens([acceptance] * K)`` it sees that rounds start right after a rejection, where a drafter
-  is more often wrong than on average.
-
-A drafter is ``exit`` (a raw exit E of the model, its full head or ``draft_vocab``, a draft vocabulary file
-beside the record) or any proposer's own name with its fields. A damaged record is refused by name
-(``RecordError``), never silently ignored or half used. An exit adapter's record is the ``adapters.json`` of
-its training run, beside it (``recorded_adapter``, ``write_adapter_record``).
+``acceptance.json`` in a model directory lists, per drafter, its greedy agreement with the final layer and
+the tokens a round of K drafts yields (``replay_rounds``), measured on the model's own answers to held-out
+prompts. ``read_record`` refuses a damaged record by name (``RecordError``). What is recorded, and why rounds
+are replayed: docs/design/plan.md.
 """
 
 from __future__ import annotations
@@ -48,7 +38,7 @@ class RecordError(ConfigError):
 
 @dataclass
 class DrafterRecord:
-    """One drafter's recorded acceptance (see the module docstring)."""
+    """One drafter's recorded acceptance (docs/design/plan.md)."""
 
     drafter: str
     acceptance: float

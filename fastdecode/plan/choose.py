@@ -1,38 +1,19 @@
 """What pays on a model: the exit and draft length a checkpoint recommends (``choose_exit``) and the plan of
-lossless decoders ``auto`` runs (``plan_decoding``), both from the cost model (``fastdecode/plan/cost.py``) and the
-acceptance a checkpoint records (``fastdecode/plan/acceptance.py``).
+lossless decoders ``auto`` runs (``plan_decoding``), both from the cost model (``fastdecode/plan/cost.py``)
+and the acceptance a checkpoint records (``fastdecode/plan/acceptance.py``).
 
-The LayerSkip and exit-adapter recipes choose their exit here, their closing speed tables run the plan,
-``eval/exits.py`` recommends with it, ``eval/speed.py``'s ``auto`` row and
-``fastdecode.from_pretrained(...).generate`` run the plan's first candidate.
-
-Every kind of drafter that can be planned (``fastdecode.decoding.PROPOSERS``, ``ProposerKind.offers``) offers
-the drafters it can run on the model, each with the options that select it, its recorded acceptance and its
-cost. The plan prices each: the draft length K with the most tokens per cost (``price``), then
-
-1. prompt lookup alone: free to draft, a row with no match pays nothing; expected to gain ``LOOKUP_PRIOR``'s
-   speedup on this machine's costs (the text decides: outputs that copy their input gain most);
-2. prompt lookup chained before a chainable drafter that pays on its own (``MIN_SPEEDUP``): rows draft by
-   lookup where their text matches and through the drafter elsewhere, so it gains over lookup alone exactly
-   where lookup alone takes plain steps (``chain_speedup``); the chain's judge retires the drafter within a
-   call where the text makes it stop paying (``ngram.ChainProposer``);
-3. a drafter that cannot be chained, alone.
-
-Given a corpus of the model's own answers (``generate(corpus=)``, ``eval/speed.py corpus=``), ``with_corpus``
-puts suffix decoding in prompt lookup's place, alone and as a chain's first stage.
-
-Candidates are ranked by expected speedup; a drafter not expected to pay is reported in ``not_paying`` with its
-numbers, never run. A candidate's ``options`` are every option it was priced with: ``auto`` runs exactly them.
+The plan prices what each kind in ``fastdecode.decoding.kinds.PROPOSERS`` offers, ranks the candidates by
+expected speedup (prompt lookup alone, lookup chained before a drafter that pays, a drafter alone) and
+reports the drafters not expected to pay in ``not_paying``. How candidates are formed: docs/design/plan.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from fastdecode.decoding.kinds import Offer, PlanInputs, ProposerKind
+from fastdecode.decoding.kinds import PROPOSERS, Offer, PlanInputs, ProposerKind
 from fastdecode.plan.acceptance import AcceptanceRecord
 from fastdecode.plan.cost import CostModel, exit_draft_cost, expected_tokens
-from fastdecode.registry import PROPOSERS
 from fastdecode.runtime.model import EarlyExitModel
 
 MAX_DRAFT = 8  # the longest draft considered
@@ -245,7 +226,7 @@ def plan_decoding(
     adapter: str | None = None,
     drafter: str | None = None,
 ) -> Plan:
-    """The lossless decoders expected to pay on ``m`` (see the module docstring), best first.
+    """The lossless decoders expected to pay on ``m`` (docs/design/plan.md), best first.
 
     ``record``: what the checkpoint records (``fastdecode.plan.acceptance.read_record``); ``adapter``: an exit
     adapter directory given with the model (its own record beside it); ``drafter``: an EAGLE-3 head directory

@@ -1,38 +1,10 @@
-"""The cost model of drafting and verifying: the one place that says what a drafted token and a verification cost.
+"""The cost model of drafting and verifying: the one place that says what a drafted token and a
+verification cost.
 
-Unit: one plain decoding step of the model, a forward over one new token per row through every layer and the
-full LM head (= 1.0), at the batch size the model was measured at (``CostModel.batch``: a batch verifies as
-wide as its longest draft, so its costs are its own). Two tables, indexed by the number T of new tokens per
-row a forward carries:
-
-- ``layer[T]``: one decoder block over T new tokens. "A block" is the average block of the model: the
-  layers' total divided by their number (measured: one timed pass through every layer; estimated: the mean
-  parameter count of the blocks).
-- ``head[T]``: the final norm and the full LM head over T rows.
-
-Everything else is derived, so every caller counts alike: a drafted token through the first E blocks and a head
-of S rows costs ``E * layer[1] + head[1] * S / V`` (plus an exit adapter's blocks); verifying a draft of k
-tokens from depth E costs ``E * layer[1] + (L - E) * layer[k + 1] + head[k + 1]`` (the last draft token's pass
-through the drafter's layers, then the rest over all k + 1 positions; E = 0 for a drafter that wrote nothing
-into the target's cache). A round of k drafts costs ``k * draft + verify``; with ``k = 0`` that is one plain
-step.
-
-Two sources:
-
-- ``measured`` (``measure_costs``): timed on the loaded model on the path decoding takes (the engine with its
-  calibrated kernels, the cache), the least disturbed of interleaved rounds, then the lower envelope over T
-  (timing noise only adds time). A forward over more tokens can cost less (oneDNN's two-row kernels on some
-  CPUs): a full-depth verification then runs as that larger T (``pad_lengths``, ``CostModel.run_length``,
-  applied by ``decoding/speculative.verify``), so the envelope's price is what it pays. Measured once per
-  model, machine, engine, thread count and batch size, and kept on disk (``fastdecode/plan/cost_store.py``), so a
-  new process reads it instead of timing again. On a CPU a forward over T new tokens is far from free (the
-  kernels' cost steps up with T), and the choices must see that.
-- ``estimated`` (``estimate_costs``): the weights each part reads, the memory-bound model of a GPU at batch 1
-  (a forward costs the same for every small T). The fallback when nothing can be timed.
-
-Callers: the draft-length policies (``fastdecode/decoding/policies.py``), the proposers' costs
-(``decoding/proposers.py``), the choice of what pays (``fastdecode/plan/choose.py``: exits, adapters, n-gram drafting),
-and through it the recipes' speed lines, ``eval/exits.py`` and the speed benchmark.
+The unit is one plain decoding step of the model. ``CostModel`` holds two tables by the number T of new tokens
+per row, one decoder block (``layer``) and the final norm with the LM head (``head``); every other cost is
+derived from them. ``measure_costs`` times them on the loaded model (kept on disk, ``cost_store.py``);
+``estimate_costs`` counts the weights read, the fallback. Formulas and sources: docs/design/plan.md.
 """
 
 from __future__ import annotations
@@ -62,7 +34,7 @@ PROBE_CONTEXT = 128  # cached tokens the timed forwards attend to
 
 @dataclass(frozen=True)
 class CostModel:
-    """Costs in plain decoding steps of one model (see the module docstring); ``tokens`` are the probed T."""
+    """Costs in plain decoding steps of one model (docs/design/plan.md); ``tokens`` are the probed T."""
 
     num_layers: int
     vocab_size: int

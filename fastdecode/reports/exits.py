@@ -1,11 +1,9 @@
 """Per-exit quality: how well each early exit predicts what the full model predicts.
 
-Two measurements, both teacher-forced through ``EarlyExitModel`` one layer at a time:
-
-- on held-out data: per exit, top-1 agreement with the final layer and perplexity of the labels;
-- on the model's own greedy generations: per exit, top-1 agreement with the final layer on the generated
-  tokens. This is the greedy draft acceptance that self-speculative decoding with that exit will see.
-
+Two measurements, both teacher-forced through ``EarlyExitModel`` one layer at a time. On held-out data, per
+exit: top-1 agreement with the final layer and the perplexity of the labels (``held_out_report``). On the
+model's own greedy generations, per exit: top-1 agreement with the final layer on the generated tokens, the
+greedy draft acceptance self-speculative decoding with that exit will see (``generation_report``).
 Exit ``l`` (1-based count of blocks run) means ``exit_logits`` after block ``l-1``; exit ``L`` is the model.
 """
 

@@ -1,28 +1,9 @@
 """An explicit, preallocated KV cache with one length pointer per layer (rollback = moving the pointer).
 
-Why per-layer lengths: in self-speculative decoding the draft writes layers ``< E`` ahead of the verifier's
-layers ``>= E``; each layer's pointer says how many slots of that layer hold real keys/values.
-
-Why a slot-validity mask: rows of a batch are left-padded to a common prompt length, and rows that accept
-fewer speculative tokens than others leave holes. A slot is a column of the buffers shared by all rows;
-``key_valid[b, s]`` says whether row ``b`` may attend to slot ``s``. Masked slots contribute exactly zero to
-attention, so decoding stays bit-exact with an unpadded, per-row run in fp32.
-
-Why a block mask (``block``): a token tree's verification (``fastdecode/decoding/tree.py``) writes its nodes
-in consecutive slots, but each node may attend only to its ancestors; the mask every layer builds
-(``layer_mask``, the one place masks are made) composes that block with validity while it is set. After the
-verdict ``reorder`` moves the accepted branch into the slots right after the last accepted token, so the
-cache holds exactly what plain decoding of those tokens would have left and rollback stays a pointer move.
-
-The cache implements the one method Hugging Face attention modules call on a cache,
-``update(key, value, layer_idx, **kw)``, so HF layers write into it directly (see ``fastdecode/runtime/model.py``).
-
-Two modes. ``KVCache`` (the reference) returns the filled prefix ``[:length]`` of each layer, so attention
-shapes grow by one every step. ``StaticKVCache`` (gpt-fast's design, for ``torch.compile`` and CUDA graphs)
-keeps every shape fixed: writes go to slots given by a device tensor (``index_copy_``), attention always spans
-the whole capacity (rounded up to a bucket of ``CAPACITY_BUCKET`` slots, so prompts of similar length share
-compiled graphs), and the mask (``key_valid`` and causality by slot) hides what is not attended to. Rollback is
-the same length pointer in both; the pointers are host ints the decoder already knows without a device sync.
+``KVCache`` (the reference) returns each layer's filled prefix; ``StaticKVCache`` keeps every shape fixed for
+``torch.compile`` and CUDA graphs. Both keep a slot-validity mask for padded and ragged rows, a block mask
+for token trees, and ``layer_mask``, the one place attention masks are made. HF attention modules write into
+the cache through ``update``. Why per-layer lengths and the masks: docs/design/runtime.md.
 """
 
 from __future__ import annotations

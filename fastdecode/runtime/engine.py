@@ -1,23 +1,9 @@
 """The decoding execution engine: lean inference layers, packed linear kernels, static-shape compiled steps.
 
-``EarlyExitModel`` (``fastdecode/runtime/model.py``) runs Hugging Face decoder layers by default. For decoding it can
-switch to an ``Engine`` (``EarlyExitModel.use_engine``), built once per model from the same parameters:
-
-- ``fast_layers``: for the pre-norm rotary families (Llama, Mistral, Qwen2 with SiLU-gated MLPs) one
-  ``RotaryLayer`` per decoder layer: RMSNorm, one fused QKV product, rotary embedding, cache write, SDPA,
-  output projection, RMSNorm, one fused gate/up product, SiLU x up, down projection - about 20 tensor
-  operations against ~45 (and six module calls) in a HF layer, whose per-call Python is a large share of a
-  decoding step on a CPU. The math is HF's, operation for operation (the rotary term is one ``roll`` times a
-  sign-folded sine: bit-identical); the tests compare it with HF's layers for every family. Other families
-  get an inference copy of their HF layers (parameters shared, not copied) whose ``nn.Linear`` modules are
-  swapped for ``FastLinear`` (public ``nn.Module.set_submodule``; nothing in transformers is patched).
-- ``fast_linear``: ``FastLinear`` (``fastdecode/runtime/fast_linear.py``) for every projection and the LM head, with
-  the kernel per number of rows picked by measurement (``calibrate``) or fixed (``kernel``).
-- ``static_cache`` / ``compile``: the cache mode of ``fastdecode/runtime/cache.py`` (``StaticKVCache``) and
-  ``torch.compile`` of a layer range per number of new tokens (``compiled_range``).
-
-The engine is for inference: ``EarlyExitModel`` uses it only when gradients are disabled, and rebuilds it
-when a parameter it packed was modified in place (``stale``). Training never sees it.
+``Engine`` is built once per model from the same parameters (``EarlyExitModel.use_engine``): ``RotaryLayer``
+for the pre-norm rotary families, ``FastLinear`` projections and head with calibrated kernel plans, the
+static cache and compiled layer ranges (``EngineOptions``). It is used only while gradients are disabled and
+rebuilt when a packed parameter changes (``stale``). What each part does: docs/design/runtime.md.
 """
 
 from __future__ import annotations

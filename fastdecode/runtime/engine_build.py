@@ -2,11 +2,8 @@
 
 Part of the model seam (with ``model.py``, ``families.py`` and ``exit_blocks.py``): the only code that reads
 a HF decoder layer's submodules to build the engine. ``EarlyExitModel.use_engine`` calls ``build_engine``.
-
-Layers are copied here in one case, for a reason: the families (or options) the lean ``RotaryLayer`` does
-not serve get an inference copy of each HF layer (``fast_linear.packed_copy``: the module tree copied,
-parameters and buffers shared, every ``nn.Linear`` swapped for a ``FastLinear``), so the model that trains is
-never touched.
+Layers the lean ``RotaryLayer`` does not serve get an inference copy (``fast_linear.packed_copy``,
+parameters shared), so the model that trains is never touched (docs/design/runtime.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The model families: where each Hugging Face family keeps the parts ``EarlyExitModel`` runs.
 
-One ``Family`` per HF ``config.model_type`` in ``FAMILIES``: attribute paths from the ``*ForCausalLM`` object
-(embedding, layers, final norm, rotary or learned positions), the projections that write into the residual
-stream (exit adapters start as the identity by zeroing them) and whether the engine's lean ``RotaryLayer``
-may stand in for the family's layers (``lean``; ``fastdecode/runtime/engine_build.py`` still checks each model's
-layer layout before it does).
-
-Adding a model family: a ``Family`` entry here, keyed by HF's ``config.model_type``, and a
-``configs/model/tiny-<family>.yaml`` (a random-init config): the tests run every ``tiny-*`` config, so the
-parity and equality tests cover it (docs/ARCHITECTURE.md, "Where to add things").
+One ``Family`` per HF ``config.model_type`` in ``FAMILIES``: attribute paths from the ``*ForCausalLM`` object,
+the projections that write into the residual stream, and whether the engine's lean ``RotaryLayer`` may run
+the family's layers (``lean``). Adding a family: docs/design/runtime.md.
 """
 
 from __future__ import annotations

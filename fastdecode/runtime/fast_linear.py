@@ -1,25 +1,9 @@
 """Linear layers for decoding on a CPU: pre-packed weights, the fastest kernel chosen per number of rows.
 
-Why: decoding multiplies a few rows (M = batch x new tokens: 1 for a plain step, k+1 for a verification, 4-8
-for a batch) by every weight matrix. ``F.linear`` hands such small-M products to MKL's general GEMM, which at
-M = 2-17 runs far below both the machine's compute peak and its memory bandwidth: a forward over a few tokens
-costs well above a 1-token forward though the weights are streamed once either way (measured per machine by
-``eval/engine.py``; docs/BENCHMARKS.md, "Execution engine"). Two CPU kernels in PyTorch take weights packed once, ahead of time:
-
-- ``mkl``: ``torch.ops.mkl._mkl_linear`` with ``torch.ops.mkl._mkl_reorder_linear_weight(W, M)`` (MKL's
-  packed SGEMM; the pack is valid for that M only, so it is built for M = 1);
-- ``dnn``: ``torch.ops.mkldnn._linear_pointwise`` with ``torch.ops.mkldnn._reorder_linear_weight(W)``
-  (oneDNN's blocked layout; any M).
-
-``FastLinear`` keeps the plain weight too (``linear`` = ``F.linear``) and a *plan*: the kernel for each M up to
-``len(plan)``; larger M (prefill) use ``F.linear``. ``calibrate`` picks the plan by timing every kernel at a
-few M on the model's own weights, sweeping all the layers that share a shape (so the weights are cold, as in
-decoding, not cached). Every kernel computes the same dot products in fp32 (results equal within rounding;
-``calibrate`` checks it and drops a kernel that disagrees).
-
-Packed weights are copies made for inference: ``FastLinear`` records the version counters of the parameters
-it was built from, and ``stale()`` says when they changed (an optimizer step) so that the owner rebuilds it.
-Nothing here is ever trained: with gradients enabled the plain ``F.linear`` runs.
+``FastLinear`` keeps the plain weight, the packed copies its plan uses (MKL, oneDNN) and a plan: the kernel
+for each small number of rows M; larger M use ``F.linear``. ``calibrate`` picks the plan by timing the kernels
+on the model's own weights. Packed weights are for inference only: ``stale()`` says when the parameters
+changed. Why small-M products need this, and the kernels: docs/design/runtime.md.
 """
 
 from __future__ import annotations

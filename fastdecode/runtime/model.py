@@ -1,23 +1,10 @@
 """The model (``EarlyExitModel``): the seam every other part of fastdecode reaches a HF model through.
 
-Everything else in fastdecode (decoders, losses, training wrappers) sees a model as four operations:
-
-    h = m.embed(input_ids, position_ids)                      # [B, T] -> [B, T, H]
-    h = m.run_layers(h, start, end, position_ids, ...)        # layers [start, end) on hidden states
-    logits = m.exit_logits(h)                                 # final norm (+ projection) + shared LM head
-    cache = m.new_cache(batch_size, capacity)                 # explicit KV cache (fastdecode/runtime/cache.py)
-
-An exit after block ``l`` is ``m.exit_logits(h_l)`` where ``h_l`` is the residual stream after block ``l``;
-the last exit is the model's ordinary output. HF decoder layers are called directly (they are public
-``nn.Module``s); nothing in transformers is patched.
-
-The model seam is four modules, the only ones that touch Hugging Face model internals: this one, the family
-registry (``families.py``: where each family keeps its parts), the engine's builder (``engine_build.py``)
-and the exit-adapter blocks (``exit_blocks.py``). For decoding, ``use_engine`` switches the four operations
-to an execution engine (``fastdecode/runtime/engine.py``) built from the HF modules: lean layers over fused,
-pre-packed projections for the rotary families, packed ``FastLinear`` projections in an inference copy of
-the HF layers for the others, a packed LM head, the static-shape cache mode and compiled layer ranges; the
-engine is used only while gradients are disabled, so training always runs the HF modules.
+Everything else sees a model as four operations: ``embed``, ``run_layers`` (layers ``[start, end)``),
+``exit_logits`` (final norm and the shared LM head, at any exit) and ``new_cache``. HF decoder layers are
+called directly; nothing in transformers is patched. For decoding, ``use_engine`` switches the operations to
+the execution engine (``fastdecode/runtime/engine.py``) while gradients are disabled. The seam's four
+modules and the engine: docs/design/runtime.md.
 """
 
 from __future__ import annotations
@@ -297,9 +284,9 @@ class EarlyExitModel:
         """Logits of an exit over the vocabulary rows ``ids [S]`` only: ``[..., H] -> [..., S]``; column j
         is the logit of token ``ids[j]``, exactly ``exit_logits(hidden)[..., ids]`` up to rounding.
 
-        Why: a cheaper draft head (``fastdecode/draft_vocab.py``). The head rows are gathered once per
-        ``ids`` tensor (pass the same tensor object every step) and again after the head's weights change;
-        they are detached: this head is for decoding, not for training.
+        Why: a cheaper draft head (``fastdecode/data/draft_vocab.py``; docs/design/data.md). The head rows
+        are gathered once per ``ids`` tensor (pass the same tensor object every step) and again after the
+        head's weights change; they are detached: this head is for decoding, not for training.
         """
         weight = self.lm_head.weight
         engine = self._running_engine()

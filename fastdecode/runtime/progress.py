@@ -1,15 +1,8 @@
 """Progress of a long phase, shown one way everywhere: ``phase``.
 
-A phase that can run longer than a few seconds (an exit report, tokenizing a data set, caching features,
-timing the cost model) says what it does when it starts and how long it took when it ends: two ``logging``
-lines at INFO, so they reach the console and a Hydra run's log file. In between:
-
-- on a terminal, the tqdm bar ``eval/speed.py`` and ``collect_jacobi.py`` show, on stderr, redrawn at most
-  once a second and removed at the end (the end line stays);
-- elsewhere (a log file, a pipe, a test), a log line at most every ``LOG_EVERY`` seconds with the count, the
-  time so far and the time left at the rate so far.
-
-Tests see neither: their stderr is not a terminal, and their phases end before ``LOG_EVERY``.
+A phase says what it does when it starts and how long it took when it ends (two INFO log lines). In between
+it shows a tqdm bar on a terminal, else a log line at most every ``LOG_EVERY`` seconds with the count and the
+time left. How it behaves in tests: docs/design/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Seeded random draws of a training step, as pure functions of their key.
 
-Every random choice a method makes during training (LayerSkip's layer drops and exit-token subsets, CLLM's
-student states) is a pure function of a key such as ``(seed, step, micro_step, rank)``, never of the global
-RNG. So a resumed run draws exactly what an uninterrupted one would, ranks and micro-batches draw
-independently, and a draw does not depend on the data loader or on what ran before it.
-
-Two schemes, each the one its draws have always used (so a configuration keeps its draws): a hashed
-``(stream, *key)`` seeding a ``torch.Generator`` (``draw_generator``: masks and subsets, many draws per call;
-the ``stream`` name keeps two kinds of draws with the same numbers apart) and one numpy uniform per row
-(``row_uniforms``: one draw per row of an accumulated batch).
+Every random choice a method makes during training is a pure function of a key such as ``(seed, step,
+micro_step, rank)``, never of the global RNG, so a resumed run draws what an uninterrupted one would.
+``draw_generator``: a seeded ``torch.Generator`` for masks and subsets; ``row_uniforms``: one uniform per row
+of an accumulated batch. Why two schemes: docs/design/training.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """The frozen model's work, paid once: layer-E features and the final layer's targets, cached to disk.
 
-One record per training sequence (computed by ``feature_records.py``; ``fastdecode.files.tensor_shards``: sharded safetensors, committed atomically,
-resumable after kill -9 with nothing lost or duplicated)::
-
-    index      int64 [1]        position of the sequence in the training split
-    input_ids  int32 [T]
-    h<E>       dtype [T, H]     residual stream after block E (the input of layer E), every position
-    scored     int32 [N]        positions whose next-token prediction is trained (labelled next token)
-    targets    int32 [N]        the data's next token at each scored position (for the optional CE)
-    teacher    int32 [N]        the final layer's argmax over the full vocabulary
-    topk_ids   int32 [N, k]     the final layer's top-k tokens ...
-    topk_logp  float32 [N, k]   ... and their log-probabilities (full-vocabulary softmax)
-    final      dtype [N, H']    the final layer's head input (after the final norm): the full teacher
-                                distribution over any head rows is recomputed from it
-
-The manifest's header names the base model (geometry, weights fingerprint, tokenizer fingerprint), the cached
-exits and every setting the records depend on; a cache is refused for another model or tokenizer
-(``AdapterMismatchError``) or other settings (``ShardHeaderError``). A complete cache serves any subset of
-its exits, so one cache feeds many training runs.
+``cache_training_features`` writes one record per training sequence (computed by ``feature_records.py``)
+into crash-safe shards (``fastdecode.files.tensor_shards``); ``FeatureDataset`` and ``collate_features`` read
+them back for training. A cache is refused for another model, tokenizer or settings, and a complete one serves
+any subset of its exits. The record's fields: docs/design/training.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Per-component losses in the Trainer's logs, training and evaluation alike.
 
-A method's loss has parts worth watching (LayerSkip: the cross-entropy of every exit; CLLM: consistency and
-AR). The module returns them next to ``loss``; ``ComponentLogsMixin`` averages them over the calls since
-the last log and adds the means to it: ``loss/exit_4`` in a training log, ``eval_loss/exit_4`` in the
-metrics of ``evaluate()`` (and so in its log line and its return value).
-
-The means are this process's own (rank 0 logs), as the Trainer's ``loss`` between two logs is. They are
-logged in a fixed order, not in the order the parts first appeared: numbered names in increasing number
-(``loss/exit_4`` before ``loss/exit_12`` whatever order a curriculum trained the exits in), ``log_order``.
+A method's module returns the parts of its loss next to ``loss``; ``ComponentLogsMixin`` averages them over
+the calls since the last log and adds the means to it (``loss/exit_4``, ``eval_loss/exit_4``), in a fixed
+order (``log_order``). Details: docs/design/training.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
-"""Two-model speculative decoding (Leviathan et al. 2023; HF's ``assistant_model``): a separate, smaller
-draft model with the same tokenizer drafts, the target verifies; lossless (greedy and sampling).
+"""Two-model speculative decoding (Leviathan et al. 2023; HF's ``assistant_model``): the ``assisted`` decoder.
 
-One round, with ``t`` the last accepted token (in neither cache yet) at position ``p``::
-
-    draft:   t, d1, .., d_{k-1} through the whole draft model, one at a time -> d1..dk; then d_k through it
-    verify:  the whole target over [t, d1..dk] (k+1 positions) -> target logits at every draft position
-    accept:  per row a_b drafts plus one target token (correction or bonus), as in ``self_speculative``
-
-Each model keeps its own KV cache, and both caches keep the same slot layout: every round writes k+1 slots
-into each ([t, d1..dk]) and the same rollback (crop by the length pointer, holes for rows that accepted
-fewer) is applied to both. So the drafter's cache holds exactly the accepted tokens, like the target's:
-d_k passes the drafter even though its logits are not needed, because when the whole draft is accepted the
-next draft must attend to it; the verifier's own token (``t`` of the next round) enters both caches at the
-start of that round. Drafting d_k costs one drafter pass per round (HF instead re-feeds it next round), and
-dynamic policies need that pass anyway to read their stop flag without a host sync (``LaggedFlag``).
-
-Batches of any size decode with ragged acceptance (HF refuses batch > 1). This is the speculative loop
-(``speculative.py``) over a ``DraftModelProposer`` (``proposers.py``); its cost per drafted token is the draft
-model's step in the target's (both measured, ``fastdecode/plan/cost.py``; a draft vocabulary shrinks the drafter's
-head). With ``decoder.chain=true`` rows draft by prompt lookup where their text matches.
+A separate, smaller draft model with the target's tokenizer drafts in its own cache, and the target
+verifies; lossless (greedy and sampling). This module owns the decoder's checks (a draft model is given and
+fits the target's vocabulary, device and context; no exit layer) and builds its ``DraftModelProposer``
+(``proposer.py``), priced by both models' cost models. Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """EAGLE-3 head checkpoints in the two public dialects, written together and read either way.
 
-``save_eagle3`` writes, atomically (``fastdecode.files.io.atomic_directory``), one directory that
-``vllm serve DIR`` reads (the speculators dialect of vllm-project/speculators: ``config.json`` with
-``architectures: ["Eagle3DraftModel"]`` and a ``speculators_config`` naming the verifier; weights ``fc``,
-``layers.0.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) and, in its ``sglang/`` subfolder, the dialect of
-SGLang and sgl-project/SpecForge (``--speculative-algorithm EAGLE3 --speculative-draft-model-path
-DIR/sglang``: ``architectures: ["LlamaForCausalLMEagle3"]``, a flat one-layer Llama config, ``midlayer.*``
-instead of ``layers.0.*``). Neither holds the target's embedding: the servers take the verifier's.
-SGLang's class implements only the original EAGLE-3 layer (residual from the raw fused feature, no
-``fc_norm`` or ``norm_before_fc``) and drops weights it has no module for without a word, so a head
-trained with any of those options (``sglang_unsupported``) is written without ``sglang/`` and a warning
-says why: SGLang would serve it, computing something else.
-
-``norm_before_residual`` is always written: vLLM assumes true when it is absent, speculators false, and a
-head read with the other value drafts badly. ``load_eagle3`` reads either dialect (told apart by
-``architectures``) and refuses a foreign or damaged directory with ``Eagle3FileError`` naming the file.
+``save_eagle3`` writes one directory in the speculators dialect (what ``vllm serve`` reads) and, in its
+``sglang/`` subfolder, the dialect of SGLang and SpecForge, unless the head uses a setting SGLang does not
+implement (``sglang_unsupported``). ``load_eagle3`` and ``read_eagle3_config`` read either dialect, told
+apart by ``architectures``, and refuse a foreign or damaged directory with ``Eagle3FileError`` naming the
+file. Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""EAGLE-3 speculative decoding (Li et al., 2025): a one-layer head trained on the target's features drafts,
-the target verifies; lossless (greedy and sampling).
+"""EAGLE-3 speculative decoding (Li et al., 2025): the ``eagle3`` decoder, where a trained one-layer head
+drafts from the target's features and the target verifies; lossless (greedy and sampling).
 
-``decoder.drafter`` names the head's directory (``fastdecode/drafters/eagle3/files.py``: the speculators dialect, or
-SGLang's). Its configuration is checked against the target before its weights load (hidden size, vocabulary,
-feature layers); the head is loaded once per model and version of its files, on the target's device and
-dtype. The proposer is ``eagle3_proposer.Eagle3Proposer``: verification hands it the target's hidden states at
-the head's feature layers (``speculative.run_capturing``), with no extra pass. With ``decoder.chain=true``
-rows draft by prompt lookup where their text matches, by the head elsewhere. With ``decoder.eagle3.tree=true``
-the head drafts EAGLE-2's dynamic token trees instead of chains (``eagle3_tree.py``; not in a chain).
-
-``offers`` tells ``auto`` (``fastdecode/plan/choose.py``) about the head given with the model
-(``PlanInputs.drafter``) when its directory records the head's acceptance (``<dir>/acceptance.json``,
-``fastdecode/plan/acceptance.py``, drafter ``eagle3``): first-draft acceptance and tokens per round per K.
+This module owns the decoder's checks (``decoder.drafter`` names a head that fits the target, read before
+its weights load), loads the head once per model and version of its files, prices a drafted token
+(``head_token_cost``, ``measure_head``) and tells ``auto`` about a head whose directory records its
+acceptance (``offers``). The proposer is ``proposer.Eagle3Proposer``. Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""The parts of an EAGLE-3 head (Li et al., 2025): RMSNorm, Llama rotary positions, the head's keys and
-values (``Eagle3KV`` for training, a list of blocks autograd can follow; decoding passes a
-``fastdecode.runtime.cache.KVCache`` of one layer instead) and its one decoder layer (``Eagle3Layer``), written
-here rather than borrowed from Hugging Face, so the head needs no model internals (``fastdecode/drafters/eagle3/model.py``
-assembles them).
+"""The parts of an EAGLE-3 head (Li et al., 2025), written here so that the head needs no model internals.
 
-The decoder layer differs from a Llama layer in one place: its q/k/v projections read ``2H`` inputs,
-``cat([input_layernorm(embedding), hidden_norm(fused)])``, and the residual stream starts from the fused
-feature (normed with ``norm_before_residual``, raw otherwise). The parameter names are those of the
-checkpoints of vllm-project/speculators (``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``,
-``input_layernorm``, ``hidden_norm``, ``post_attention_layernorm``).
-
-Attention contract (``Eagle3Layer.forward``): the ``T`` new positions attend to every key already in ``kv``
-(``S`` of them) and causally to each other, unless ``attn_mask`` says otherwise: a bool ``[T, S + T]`` or
-``[B, 1, T, S + T]`` mask, True where a query may attend, over ``cat(kv keys, new keys)``. The new keys
-and values are appended to ``kv`` when one is given. Grouped-query heads attend through
-``scaled_dot_product_attention(enable_gqa=True)`` (no repeated keys). The training-time test unroll builds its
-mask with ``ttt_mask``; chain drafting uses the default.
+RMSNorm, Llama rotary positions, the head's keys and values for training (``Eagle3KV``; decoding passes a
+one-layer ``KVCache`` instead), the attention masks (``causal_mask``, the training-time test's ``ttt_mask``)
+and the head's one decoder layer (``Eagle3Layer``), whose q/k/v projections read ``2H`` inputs. ``model.py``
+assembles them. Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations
@@ -138,7 +126,10 @@ class Eagle3Attention(nn.Module):
         kv: Eagle3KV | KVCache | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x [B, T, 2H]`` -> ``[B, T, H]`` under the module docstring's contract."""
+        """``x [B, T, 2H]`` -> ``[B, T, H]``. The T new positions attend to every key already in ``kv`` and
+        causally to each other, unless ``attn_mask`` (bool ``[T, S + T]`` or ``[B, 1, T, S + T]``, True where
+        a query may attend, over ``cat(kv keys, new keys)``) says otherwise; the new keys and values are
+        appended to ``kv`` when one is given."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -171,7 +162,9 @@ class SwiGLU(nn.Module):
 
 
 class Eagle3Layer(nn.Module):
-    """The head's one decoder layer (see the module docstring)."""
+    """The head's one decoder layer: a Llama layer whose q/k/v projections read
+    ``cat([input_layernorm(embedding), hidden_norm(fused)])`` and whose residual stream starts from the fused
+    feature (normed with ``norm_before_residual``, raw otherwise)."""
 
     def __init__(
         self,

@@ -1,17 +1,10 @@
 """The EAGLE-3 draft head (Li et al., 2025, "Scaling up Inference Acceleration of Large Language Models via
-Training-Time Test"): ``Eagle3Config`` and ``Eagle3Head``; its files are ``fastdecode/drafters/eagle3/files.py``.
+Training-Time Test"): ``Eagle3Config``, ``Eagle3Head`` and the draft vocabulary maps (``vocab_maps``).
 
-Per position the head reads three hidden states of the target (low, middle and high layers,
-``aux_layer_ids``, concatenated ``[3 * Ht]``) and the target's embedding of a token ``[H]``. ``fuse``
-projects the features to ``H`` (``fc``, optionally after EAGLE-3.1's ``fc_norm``, an RMSNorm per feature,
-or ``norm_before_fc``, one over the concatenation); one decoder layer (``fastdecode/drafters/eagle3/layer.py``)
-mixes the fused feature with the embedding; the final ``norm`` and ``lm_head`` score a draft vocabulary of
-``draft_vocab_size`` target tokens (``d2t``: target id = draft id + ``d2t[draft id]``; ``t2d``: which target
-ids are in it). The layer's output hidden state is what later draft steps feed back in place of the fused
-feature. The target's embedding is not part of the head: callers pass the embedded tokens.
-
-Positions are the standard Llama RoPE with the target's ``rope_theta``; rope scaling variants (llama3,
-yarn, linear, dynamic) are not supported yet and a target that uses one is refused.
+Per position the head fuses three of the target's hidden states (``fuse``), mixes them with the target's
+embedding of a token in one decoder layer (``layer.py``) and scores a draft vocabulary (``d2t``, ``t2d``).
+Its files are ``files.py``'s. Only plain RoPE is supported: a target with rope scaling is refused.
+Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations

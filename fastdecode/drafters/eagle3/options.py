@@ -10,10 +10,10 @@ from fastdecode.decoding.config import DrafterOptions
 
 @dataclass
 class Eagle3Options(DrafterOptions, group="eagle3"):
-    """``decoder.eagle3``: the ``eagle3`` decoder . ``tree``: draft
-    EAGLE-2's dynamic token trees (the speculative loop verifies them: ``Draft.parents``) instead of a chain;
-    ``top_k``: the children each expanded node offers, and the nodes each level expands. False (the default):
-    a chain, drafted exactly as without this group."""
+    """``decoder.eagle3``: the ``eagle3`` decoder's options. ``tree``: draft EAGLE-2's dynamic token trees
+    (the speculative loop verifies them: ``Draft.parents``) instead of a chain; ``top_k``: the children each
+    expanded node offers, and the nodes each level expands. False (the default): a chain, drafted exactly as
+    without this group."""
 
     tree: bool = False
     top_k: int = 4

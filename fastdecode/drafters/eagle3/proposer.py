@@ -1,34 +1,11 @@
-"""The EAGLE-3 proposer (Li et al., 2025): a one-layer head (``fastdecode/drafters/eagle3/model.py``) drafts a chain from the
-target features the verification has just computed.
+"""The EAGLE-3 proposer (Li et al., 2025): a one-layer head (``model.py``) drafts from the target features
+that the verification has just computed.
 
-Alignment (the training's, ``eagle3_train/losses.py``): the head's row for the token ``x_p`` at position
-``p`` reads the target's embedding of ``x_p`` and the target's features at ``p - 1`` (``aux_layer_ids``,
-captured by the verification: ``Proposer.feature_layers``, ``speculative.run_capturing``), at RoPE position
-``p``; its logits predict ``x_{p+1}``. Position 0 has no row. Later draft steps feed the head's own output
-hidden state with the embedding of the token just drafted, at ``p + 1``, attending causally to every earlier
-head row: plain causal attention over the head's keys in position order is the training-time-test mask.
-
-Slots: the head's keys and values (``HeadRows``: a one-layer ``KVCache``) follow the target cache's slot
-layout, with a validity mask of their own (left padding, position 0, the holes ragged rollbacks leave). The head
-runs as the target's engine runs linears (``Engine.packed``: packed kernels, planned per shape). One round,
-``t`` the last accepted token at slot ``s`` (``Round.start``)::
-
-    propose: drafts d1..dk from the row of t at slot s (written by the last ``update``; after the prefill
-             or a chain's own draft, computed here from the features of the token before t) and from rows
-             of the head's own hidden states at s+1.., which are then cropped (they read no target features)
-    verify:  the target scores [t, d1..dk] and hands over its features there (``Draft.features``)
-    update:  in one head pass, rows of the kept drafts d1..d_a at s+1..s+a with the real features of t,
-             d1..d_{a-1} (rows that kept fewer than the batch's longest get holes, as in the target's
-             cache) and the row of the verifier's token after them with the features of d_a: the next
-             round's first draft. A round of k drafts thus costs k head passes (a dynamic policy's stop is
-             read before the next row's pass, which a stopped draft never needs).
-
-With ``decoder.eagle3.tree=true`` propose drafts EAGLE-2's dynamic token tree instead of the chain
-(``propose_tree``, ``eagle3_tree.py``): its rows are cropped the same way, and ``update`` receives the draft
-the loop linearised along the accepted branch, so it writes that branch's rows exactly as for a chain.
-
-Drafts score the head's draft vocabulary, mapped to target ids (``d2t``); when sampling, q is the head's
-distribution after the target's logits processing, zero outside that vocabulary: lossless.
+``HeadRows`` keeps the head's keys and values in the target cache's slot layout. ``Eagle3Proposer`` drafts a
+chain, or with ``decoder.eagle3.tree=true`` EAGLE-2's dynamic tree (``tree.py``), and after each verification
+writes the kept tokens' rows from the target's real features in one head pass. Drafts score the head's draft
+vocabulary, mapped to target ids; when sampling, q is zero outside it: lossless. Design notes:
+docs/design/drafters.md.
 """
 
 from __future__ import annotations
@@ -76,7 +53,7 @@ class HeadRows:
         positions before) or ``[B, T, H]`` the head's own output; ``positions [B, T]``; ``valid [B, T]``
         bool: rows later queries may attend to; ``mask`` bool ``[B, 1, T, past + T]``: the keys each row
         attends to (default: the valid earlier rows and causally the new ones; a token tree's rows pass
-        their ancestors', ``eagle3_tree.tree_keys``). -> ``(logits [B, T, S], hidden [B, T, H])``."""
+        their ancestors', ``tree.tree_keys``). -> ``(logits [B, T, S], hidden [B, T, H])``."""
         past, steps = len(self), tokens.shape[1]
         self.cache.reserve(valid, past, positions)
         keys = mask
@@ -148,7 +125,8 @@ class Eagle3Proposer(Proposer):
         wasted when the draft stops (``update`` writes the kept rows from the target's features)."""
         passes = 1  # this round's ``update`` pass (which also writes the next round's row of t)
         if self.pending is None:
-            self.pending, passes = self.last_row(r), passes + 1
+            self.pending = self.last_row(r)
+            passes += 1
         (logits, hidden), self.pending = self.pending, None
         if Eagle3Options.of(self.cfg).tree and r.limit > 0:
             return self.propose_tree(r, logits, hidden, passes)
@@ -185,7 +163,7 @@ class Eagle3Proposer(Proposer):
 
     def propose_tree(self, r: Round, logits: torch.Tensor, hidden: torch.Tensor, passes: int) -> Draft:
         """An EAGLE-2 dynamic tree from t's row ``(logits [B, 1, S], hidden [B, 1, H])``
-        (``eagle3_tree``); the head's cache is cropped back to where it stood."""
+        (``tree.grow``); the head's cache is cropped back to where it stood."""
         rows, batch, live = self.head_rows, r.last.shape[0], int(r.active.sum())
         base, top_k = len(rows), min(Eagle3Options.of(self.cfg).top_k, self.vocab.numel())
         pool, grown = grow(rows, (logits, hidden), r.positions, self.vocab, levels=r.limit, top_k=top_k)
@@ -216,7 +194,9 @@ class Eagle3Proposer(Proposer):
         self.retired = True
 
     def update(self, r: Round, draft: Draft, verdict: Verdict, done) -> None:
-        """Rows of the kept drafts with the features the verification computed (module docstring)."""
+        """In one head pass, the rows of the kept drafts d1..d_a with the features the verification computed
+        at t, d1..d_{a-1} (holes where a row kept fewer than the batch's longest), and the row of the
+        verifier's token with the features of d_a: the next round's first draft."""
         if self.retired:
             return
         features = draft.features  # [B, k+1, F*H] at [t, d1..dk]

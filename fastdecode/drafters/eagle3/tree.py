@@ -1,27 +1,10 @@
-"""EAGLE-2's dynamic draft trees (Li et al., 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic
-Draft Trees") drafted by the EAGLE-3 head: ``decoder.eagle3.tree=true`` (``options.Eagle3Options``).
+"""EAGLE-2's dynamic draft trees (Li et al., 2024) drafted by the EAGLE-3 head (``decoder.eagle3.tree=true``).
 
-Expansion, level by level from the last accepted token t (whose head row the chain path has too)::
-
-    level 1:  t's top-k children by the head's probability (from t's row: no pass)
-    level d:  one head pass over the frontier (the k best nodes of level d - 1 by path probability): each
-              node's row reads its token's embedding and its parent's output hidden state, at t's position
-              plus its depth, attending to the committed rows and to its own ancestors' rows only (a tree
-              mask over the head's keys); each frontier node offers its top-k children
-    rerank:   every node offered, by path probability (the product of the head's probabilities along the
-              path), the best N kept: a path's probability is at most its parent's, so they form a tree
-
-The node budget N: with a cost-aware policy (``adaptive``) the batch's N where the expected tokens, 1 + the
-sum of the kept nodes' path probabilities (a node is accepted iff its whole path is; EAGLE-2 shows the head's
-confidence tracks acceptance), per ``costs.verify(N + 1)`` is best (``cost.best_node_budget``); else the
-round's limit. Levels: the round's limit (the deepest a tree of that many nodes can be). The head passes are
-spent before N is chosen, so they do not enter the cut.
-
-After drafting, the head's cache is cropped back to where it stood (every tree row dropped), as the chain path
-leaves it; ``Eagle3Proposer.update`` then writes the accepted branch's rows from the target's features (the
-loop hands it the draft linearised along that branch). Tokens are the head's draft-vocabulary ids mapped to the
-target's; siblings are distinct (a node's top-k). A tree is a deterministic draft: ``probs`` None when greedy,
-one-hot when sampling (the loop's multi-candidate rule keeps sampling lossless).
+``grow`` expands the tree level by level from the last accepted token's head row into a ``Pool``, each
+frontier node offering its top-k children; ``Pool.best`` keeps the N nodes of highest path probability (a
+tree, since a path's probability is at most its parent's), and ``node_budget`` picks N with a cost-aware
+policy. The caller crops the head's cache back afterwards (``Eagle3Proposer.propose_tree``). Design notes:
+docs/design/drafters.md.
 """
 
 from __future__ import annotations
@@ -43,7 +26,9 @@ class Pool:
 
     def offer(self, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         """Add ``[B, n]`` nodes -> their pool indices ``[n]``."""
-        self.tokens.append(tokens), self.scores.append(scores), self.parents.append(parents)
+        self.tokens.append(tokens)
+        self.scores.append(scores)
+        self.parents.append(parents)
         index = torch.arange(self.size, self.size + tokens.shape[1], device=tokens.device)
         self.size += tokens.shape[1]
         return index
@@ -80,8 +65,9 @@ def grow(
     top_k: int,
 ) -> tuple[Pool, int]:
     """Expand the tree from t's row ``first = (logits [B, 1, S], hidden [B, 1, H])`` (t at ``positions
-    [B]``; ``vocab [S]``: the target ids of the head's columns) for ``levels`` levels on ``rows`` (a ``HeadRows``; its tree rows are left for the caller to crop)
-    -> (the pool of offered nodes, head passes run)."""
+    [B]``; ``vocab [S]``: the target ids of the head's columns) for ``levels`` levels on ``rows`` (a
+    ``HeadRows``; its tree rows are left for the caller to crop) -> (the pool of offered nodes, head passes
+    run)."""
     logits, hidden = first
     base, pool = len(rows), Pool()
     top = torch.log_softmax(logits[:, -1].float(), -1).topk(top_k, -1)  # [B, k]

@@ -1,30 +1,11 @@
-"""Exit adapters: early exits that leave the model untouched (Kangaroo: "Kangaroo: Lossless Self-Speculative
-Decoding via Double Early Exiting", Liu et al., 2024).
+"""Exit adapters (Kangaroo, Liu et al., 2024): a small trainable module at exit E of a frozen model drafts.
 
-The model is frozen. At exit ``E`` a small trainable module maps the residual stream after block ``E`` (the
-input of layer ``E``) toward what the final layer predicts. The drafter is layers ``< E``, the adapter, then
-the shared final norm and LM head (optionally over a draft vocabulary). Verification is unchanged: layers
-``>= E`` run on the exit hidden states from *before* the adapter, so decoding is lossless and the model's
-outputs and perplexity are untouched by construction.
-
-Kinds (``KINDS``, built by ``EarlyExitModel.adapter_block`` in ``fastdecode/runtime/exit_blocks.py``, the model seam):
-
-- ``block``: one decoder layer of the model's family, initialised from a copy of the last block
-  (``init=last``) or of layer ``E`` (``init=exit``, the first layer the drafter skips);
-- ``attention``: Kangaroo's adapter: the pre-attention norm and self-attention of such a layer (with its
-  residual) and a second norm.
-
-The adapter's attention keeps its own keys/values in cache layer ``num_layers`` (one extra slot in the same
-``KVCache`` layout): prefill fills it, drafting appends to it, rollback crops it with every other layer.
-
-On disk an adapter is a directory: ``adapter.safetensors`` (its weights only; the base model is never
-rewritten), ``adapter.json`` (E, kind, source layer, the base model's identity and weights fingerprint, the
-tokenizer's fingerprint, the draft vocabulary it was trained with, training notes) and, when it drafts over a
-draft vocabulary, ``draft_vocab.json``. A training run writes one directory per exit and ``adapters.json``
-naming the chosen one; ``decoder.adapter=`` takes either.
-
-Every mismatch is a named error raised before any work: ``ExitLayerError`` (E outside ``[1, L-1]`` or not the
-adapter's), ``AdapterMismatchError`` (another model, tokenizer or hidden size), ``DraftVocabMismatchError``.
+The drafter is layers ``< E``, the adapter, then the shared final norm and LM head (optionally over a draft
+vocabulary); verification runs on the exit hidden states from before the adapter, so decoding is lossless.
+This module owns ``ExitAdapter`` (its kinds are built by ``fastdecode/runtime/exit_blocks.py``), its files
+(``save_adapter``, ``load_adapter``, ``resolve_adapter``), the base model identity it is checked against and
+``adapter_for_decoding``. Every mismatch is a named ``AdapterError``, raised before any work. Design notes:
+docs/design/drafters.md.
 """
 
 from __future__ import annotations
@@ -129,7 +110,8 @@ class ExitAdapter(nn.Module):
     Args:
         m: the frozen model.
         exit_layer: E, blocks run before the adapter, in ``[1, L-1]``.
-        kind: ``block`` | ``attention`` (see the module docstring).
+        kind: ``block`` (one decoder layer of the model's family) | ``attention`` (Kangaroo's: a layer's
+            pre-attention norm and self-attention, with its residual, and a second norm).
         source: the layer it is copied from (``source_layer``); the adapter keeps that layer's sliding window.
     """
 

@@ -1,18 +1,9 @@
 """An exit of a checkpoint as a draft model of its own: a plain Hugging Face directory of the first E layers.
 
-A LayerSkip checkpoint's exit E (its first E layers, then the shared final norm and LM head) is a model in
-its own right: the same family with ``num_hidden_layers: E``. Exported as a plain directory, it drafts for the
-full checkpoint wherever a separate draft model is accepted: transformers' ``generate(assistant_model=)``,
-vLLM's and SGLang's draft-model speculation, llama.cpp's ``-md`` (after GGUF conversion). Its exit logits are
-exactly ``EarlyExitModel.exit_logits`` after ``run_layers(.., 0, E)`` of the checkpoint (tests/test_exit_export.py).
-
-``export_exit`` works on the config and the weights, never on a built model's modules: the config gets
-``num_hidden_layers = E`` (per-layer lists cut to E), and transformers loads only the weights that config
-names, i.e. every weight but the decoder layers >= E (checked: nothing missing; anything left over beyond
-those layers, found by the family registry's layer prefix, is logged). Tied embeddings stay tied (the config's
-``tie_word_embeddings``), the dtype is the checkpoint's own. The directory is written atomically with the
-checkpoint's tokenizer files and a ``fastdecode.json`` naming the source checkpoint and E; the source's
-``generation_config.assistant_early_exit``, an exit of the full model, is dropped.
+``export_exit`` writes exit E of a LayerSkip checkpoint (its first E layers, then the shared final norm and
+LM head) as a model of the same family with ``num_hidden_layers: E``, which drafts wherever a separate draft
+model is accepted. It works on the config and the weights, never on a built model's modules, and refuses
+what the user can get wrong before the weights load. Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations

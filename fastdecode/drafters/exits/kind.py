@@ -1,30 +1,10 @@
-"""LayerSkip self-speculative decoding: draft with layers ``< E`` through the shared exit head, verify with
-layers ``>= E`` on the stored exit hidden states, over ONE KV cache.
+"""LayerSkip self-speculative decoding (the ``self_speculative`` decoder): layers ``< E`` and the shared exit
+head draft, layers ``>= E`` verify on the stored exit hidden states, over one KV cache; lossless.
 
-One round, with ``t`` the last accepted token (not yet in the cache) at position ``p``::
-
-    draft:   t, d1, .., d_{k-1} through layers < E, one at a time -> exit hidden states h_0..h_{k-1}, drafts
-             d1..dk from the exit head; then d_k through layers < E -> h_k (it was never fed back)
-    verify:  layers >= E over [h_0..h_k] (k+1 positions) -> verifier logits at every draft position
-    accept:  per row a_b drafts (greedy prefix match, or the lossless sampling rule), plus one token from
-             the verifier (correction or bonus)
-
-Each token passes each layer exactly once: the layer-``< E`` KV written while drafting is exactly what the
-full model writes, so it is kept (rejected drafts pass every layer once too: verification needs them).
-Rollback is a length pointer: crop every layer to the longest accepted length in the batch; rows that
-accepted fewer leave holes (``key_valid`` False) that attention masks exactly, so greedy output is
-bit-identical to ``autoregressive`` in fp32. Sliding windows count positions across holes (``KVCache.key_pos``).
-
-This is the speculative loop (``speculative.py``) over an ``ExitProposer`` (``proposers.py``). With an exit
-adapter (``decoder.adapter``, ``fastdecode/drafters/exits/adapter.py``; Kangaroo) the drafter's head reads the adapter's
-output over the adapter's own draft vocabulary; E comes from the adapter, the adapter's attention has one more
-cache layer (filled at prefill, rolled back with the rest), and verification still runs on the raw exit
-hidden states: lossless. With ``decoder.chain=true`` rows draft by prompt lookup where their text matches
-(``ngram.py``) and through the exit elsewhere.
-
-``offers`` tells ``auto`` (``fastdecode/plan/choose.py``) what it may plan with: every exit the checkpoint's
-``acceptance.json`` records, with the full head and with the draft vocabulary, and the exit adapter, each
-priced on this machine.
+This module owns the decoder's checks (an exit E, or an exit adapter from ``decoder.adapter``), builds its
+``ExitProposer`` (``proposer.py``) and offers ``auto`` (``fastdecode/plan/choose.py``) every exit that the
+checkpoint's ``acceptance.json`` records and the exit adapter given with the model, each priced on this
+machine. Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations

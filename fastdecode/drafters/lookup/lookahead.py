@@ -1,23 +1,10 @@
-"""Lookahead decoding (Fu et al., 2024, the CLLM authors): Jacobi iteration harvests n-grams into a pool, and
-the pool's n-grams are verified as drafts; lossless, no draft model, no training.
+"""Lookahead decoding (Fu et al., 2024): Jacobi iteration harvests n-grams into a pool, and the pool's n-grams
+are verified as drafts; the ``lookahead`` decoder, lossless, with no draft model and no training.
 
-The speculative loop (``speculative.py``) over a ``LookaheadProposer``. Per row and round the draft (at most
-``decoder.draft_tokens`` = W tokens) is, in order of preference:
-
-1. the prompt-lookup continuation of the row's text (``decoder.lookup``, ``ngram.py``);
-2. the pool's newest n-gram that starts with the last accepted token t: the pool holds, keyed by their first
-   token, the n-grams of every verification's predictions from the correction token on. Those predictions
-   past the first rejected draft are the Jacobi iteration's next guesses for the positions after t, so the
-   pool's entry for t *is* the row's Jacobi state, and it also holds older trajectories' n-grams;
-3. t repeated W times (Jacobi's ``repeat`` initial guess), so the iteration starts.
-
-Each verification of ``[t, d1..dW]`` is at once the Jacobi step (its predictions refine the guesses and feed
-the pool) and the verification of the n-gram (the accepted prefix). The reference runs a 2-D lookahead window
-and G candidate n-grams side by side under one attention mask; here the one candidate is the Jacobi block
-itself, so a step carries W + 1 tokens, not (W + G)(N - 1): the variant that suits hardware where a forward's
-cost grows with its tokens. It still pays only where a forward of W + 1 tokens costs about one token's (a GPU
-at batch 1), as the reference says; on a CPU it is measured, not expected to pay (docs/BENCHMARKS.md).
-Drafts are deterministic (q one-hot): sampling stays lossless.
+``LookaheadProposer`` drafts per row, in order of preference: the prompt-lookup continuation of its text
+(``ngram.py``), the pool's newest n-gram that starts with the last accepted token t, or t repeated (Jacobi's
+``repeat`` guess). Each verification is at once the Jacobi step that feeds the pool and the check of the
+draft. Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations

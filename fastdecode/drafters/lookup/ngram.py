@@ -1,22 +1,10 @@
-"""N-gram proposers: drafts looked up in the text a row already holds, free to make.
+"""Prompt lookup's n-gram drafts: looked up in the text a row already holds, free to make.
 
-- ``PromptLookupProposer`` (prompt lookup decoding, transformers' ``prompt_lookup_num_tokens``): for n from
-  ``decoder.lookup.max_ngram_size`` down to ``min_ngram_size``, the continuation of the most recent (or, with
-  ``decoder.lookup.match=earliest``, the first) earlier occurrence of the row's last n tokens in its prompt
-  and the text generated so far, cut before an EOS token (``NgramIndex``: how this differs from transformers
-  and vLLM).
-  A row with no match drafts nothing that round and pays nothing: its round is a plain decoding step.
-The chain that asks the lookup first and a model proposer otherwise is ``chain.py``.
-
-How long a lookup draft is: the policy's limit (``decoder.draft_tokens``), and with a cost-aware policy
-(``adaptive``) the width the cost model expects to pay best for the batch (``PromptLookupProposer.cut``: a
-verification is as wide as the batch's longest draft, so every row is cut at one width), from the acceptance
-this proposer has seen so far per match length n and draft position, starting from ``MATCH_PRIOR``: a 1-token match
-is weak evidence (its first token lands about one time in five), a 4-token match strong. On this kind of CPU a
-verification over 4+ tokens costs far more than one over 2-3 (docs/BENCHMARKS.md): the cost-aware width sees
-that.
-
-Drafts are deterministic, so their q is a one-hot: sampling stays lossless (``speculative.accept``).
+``NgramIndex`` keeps one row's tokens and one occurrence per n-gram. ``PromptLookupProposer`` drafts the
+continuation of an earlier occurrence of the row's last n tokens (n from ``decoder.lookup.max_ngram_size``
+down to ``min_ngram_size``), cut at an EOS (``decoder.lookup.eos``); with a cost-aware policy it cuts the
+batch's drafts at the width the cost model expects to pay best (``cut``, from ``AcceptanceStats``). A row
+with no match drafts nothing. It is also a chain's default first stage. Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations
@@ -34,16 +22,8 @@ from fastdecode.plan.cost import CostModel, expected_tokens
 class NgramIndex:
     """One row's tokens with, per n, the start of one occurrence of every n-gram that has a continuation (so a
     lookup never finds the row's own last n tokens): the most recent (``match="recent"``) or the first
-    (``"earliest"``), kept as the tokens arrive, so a lookup costs one dict access per n.
-
-    Against the reference implementations, all of which search the prompt and the output so far for the
-    longest matching suffix first and never draft past the row's current end: transformers (5.x,
-    ``PromptLookupCandidateGenerator``) takes the earliest occurrence, n <= ``max_matching_ngram_size`` = 2 by
-    default, and cuts the draft before an EOS; vLLM (v1 ``NgramProposer``) takes the earliest occurrence of the
-    longest n in [``prompt_lookup_min``, ``prompt_lookup_max``] (5 and 5 unless set) and does not cut at EOS.
-    Here the defaults are the most recent occurrence, n from 4 down to 1, cut before an EOS: replaying
-    SmolLM2's answers, the most recent occurrence gives 0.3-1.9% more expected speedup than the earliest
-    (docs/BENCHMARKS.md, "Prompt lookup: which occurrence, which n, where EOS cuts").
+    (``"earliest"``), kept as the tokens arrive, so a lookup costs one dict access per n. How this differs
+    from transformers' and vLLM's lookups: docs/design/drafters.md.
 
     ``stop``: the EOS ids. ``eos="before"`` (transformers): a continuation ends before its first EOS (one that
     starts with it drafts nothing); ``"after"``: the EOS is drafted and ends it. Never past an EOS: a row stops
@@ -94,9 +74,6 @@ class NgramIndex:
 def new_index(options: LookupOptions, eos_ids: Iterable[int]) -> NgramIndex:
     """An empty ``NgramIndex`` as ``decoder.lookup`` (``options``) sets it up, stopping at ``eos_ids``."""
     return NgramIndex(options.max_ngram_size, match=options.match, stop=eos_ids, eos=options.eos)
-
-
-
 
 
 class AcceptanceStats:

@@ -21,10 +21,10 @@ class LookupOptions(DrafterOptions, group="lookup"):
     ``min_ngram_size``: the shortest. The most tokens proposed is ``decoder.draft_tokens``.
     ``match``: which earlier occurrence of the row's last n tokens is continued, ``recent`` (the most recent)
     or ``earliest`` (the first, as transformers and vLLM do); ``eos``: ``before`` (a draft never holds an EOS,
-    as in transformers) or ``after`` (it may end with one). Chosen by replaying SmolLM2's answers
-    (``fastdecode-lookup-replay``, docs/BENCHMARKS.md).
-    ``fallback_trial``: in a chain, the row-rounds the exit, adapter or draft model drafts before it must have
-    paid for itself on this call's text to go on drafting (``fastdecode.decoding.chain.ChainProposer``); 0: it is never retired.
+    as in transformers) or ``after`` (it may end with one); the defaults' measurements are in
+    docs/design/drafters.md. ``fallback_trial``: in a chain, the row-rounds the exit, adapter or draft model
+    drafts before it must have paid for itself on this call's text to go on drafting
+    (``fastdecode.decoding.chain.ChainProposer``); 0: it is never retired.
     ``tree`` (``prompt_lookup`` only): draft the merged continuations of up to ``occurrences`` earlier
     occurrences as one token tree (``fastdecode/drafters/lookup/tree.py``); ``shorter``: merge those of the
     shorter matches too. False (the default): one continuation, a chain."""

@@ -1,27 +1,10 @@
 """Prompt lookup as a token tree (``decoder.lookup.tree=true``): where the row's last n tokens occurred
-several times before with different continuations, draft them all at once, merged into one trie, instead of
-betting on the most recent one.
+several times before with different continuations, draft them all at once, merged into one trie.
 
-- ``OccurrenceIndex``: an ``NgramIndex`` that also keeps, per n-gram, up to ``decoder.lookup.occurrences``
-  distinct earlier occurrences (the most recent first, or with ``match=earliest`` the first ones).
-- ``continuations``: the continuations of the longest matching n's occurrences (and, with
-  ``decoder.lookup.shorter=true``, of the shorter n's down to ``min_ngram_size`` whose continuation starts
-  elsewhere), each cut at EOS as the chain is (``NgramIndex.cut``) and weighed (``VOTE``).
-- ``merge``: those continuations as a trie (``LookupTree``): shared prefixes merged, so siblings carry distinct
-  tokens, each node with the weight of the continuations through it.
-- ``best_first``: the trie's nodes by the estimated probability that their path is right, parents first.
-- ``TreeLookupProposer``: the ``prompt_lookup`` decoder's proposer with a tree; one node budget per batch
-  (``cost.best_node_budget``), a ``Draft`` with ``parents`` (``speculative.Draft``).
-
-Why the path probability (``best_first``) is an estimate of acceptance: let a(n, i) be the learnt probability
-(``AcceptanceStats``, this proposer's own) that the token after a right path of depth i is among the tree's
-children there, after an n-token match. Given that it is, the occurrences are taken as votes: the child with
-weight w among children (and EOS votes) of total weight W is the right one with probability w / W. So
-P(child) = P(parent) * a(n, i) * w / W. For a tree of one occurrence (w = W) this is the chain's estimate,
-``expected_tokens`` of ``AcceptanceStats.estimate``; siblings share a(n, i) and never claim more together. A
-greedy tree yields 1 + sum over its nodes of P(node) tokens (a node is accepted iff its whole path is right),
-so the best N nodes are the N highest P (each at most its parent's, so they form a tree), and the batch's
-node budget N maximises the batch's expected tokens over ``costs.verify(N + 1)`` (``cost.best_node_budget``).
+``OccurrenceIndex`` keeps up to ``decoder.lookup.occurrences`` occurrences per n-gram; ``continuations``
+weighs their continuations (``vote``), ``merge`` builds the trie (``LookupTree``), ``best_first`` orders its
+nodes by the estimated probability that their path is right, and ``TreeLookupProposer`` drafts each row's
+best nodes within the batch's node budget. Derivations: docs/design/drafters.md.
 """
 
 from __future__ import annotations
@@ -144,8 +127,11 @@ def merge(found: list[Continuation], n: int) -> LookupTree:
             tree.totals[parent] += item.weight
             node = children.get((parent, token))
             if node is None:
-                node = children[(parent, token)] = len(tree.tokens)
-                tree.tokens.append(token), tree.parents.append(parent), tree.weights.append(0.0)
+                node = len(tree.tokens)
+                children[(parent, token)] = node
+                tree.tokens.append(token)
+                tree.parents.append(parent)
+                tree.weights.append(0.0)
                 tree.depths.append(tree.depths[parent] + 1 if parent >= 0 else 0)
                 tree.totals.insert(-1, 0.0)
             tree.weights[node] += item.weight
@@ -157,8 +143,9 @@ def merge(found: list[Continuation], n: int) -> LookupTree:
 
 def best_first(tree: LookupTree, acceptance: list[float], limit: int) -> tuple[list[int], list[float]]:
     """``(nodes, probs)``: at most ``limit`` nodes of ``tree`` by the estimated probability that their path
-    is right (module docstring; ``acceptance[i]``: a(n, i)), highest first, ties by insertion order. Every
-    node comes after its parent, so any prefix is a tree."""
+    is right, P(child) = P(parent) * a(n, i) * w / W (``acceptance[i]``: a(n, i); w / W: the child's share of
+    the votes past its parent), highest first, ties by insertion order. Every node comes after its parent,
+    so any prefix is a tree."""
     kids: dict[int, list[int]] = {}
     for node, parent in enumerate(tree.parents):
         kids.setdefault(parent, []).append(node)
@@ -173,7 +160,8 @@ def best_first(tree: LookupTree, acceptance: list[float], limit: int) -> tuple[l
     nodes, probs = [], []
     while heap and len(nodes) < limit:
         neg, node = heapq.heappop(heap)
-        nodes.append(node), probs.append(-neg)
+        nodes.append(node)
+        probs.append(-neg)
         offer(node, -neg)
     return nodes, probs
 
@@ -206,10 +194,10 @@ def row_tree(tree: LookupTree, acceptance: list[float], limit: int) -> RowTree:
 
 
 class TreeLookupProposer(PromptLookupProposer):
-    """Prompt lookup drafting a token tree per row (``decoder.lookup.tree``; module docstring): the merged
-    continuations of up to ``decoder.lookup.occurrences`` occurrences, at most ``Round.limit`` nodes, with a
-    cost-aware policy at the batch's best node budget (``cost.best_node_budget``). ``stats``: its own acceptance, booked
-    along the accepted path (``learn``)."""
+    """Prompt lookup drafting a token tree per row (``decoder.lookup.tree``): the merged continuations of up
+    to ``decoder.lookup.occurrences`` occurrences, at most ``Round.limit`` nodes, with a cost-aware policy at
+    the batch's best node budget (``cost.best_node_budget``). ``stats``: its own acceptance, booked along the
+    accepted path (``learn``)."""
 
     name = "prompt_lookup"
 

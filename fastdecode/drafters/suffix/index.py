@@ -1,23 +1,10 @@
-"""The suffix index of suffix drafting (SuffixDecoding, Oliaro et al., NeurIPS 2025; Snowflake ArcticInference's
-suffix tree): a trie over every substring of at most ``max_depth`` tokens of some token sequences, each node
-counting how often its path occurs, so the continuations of the text's longest matching suffix come with
-frequencies.
+"""The suffix index of suffix drafting (SuffixDecoding, Oliaro et al., NeurIPS 2025): a trie over every
+substring of at most ``max_depth`` tokens of some token sequences, each node counting its path's occurrences.
 
-What a node counts, exactly: the node of the path P (|P| <= max_depth) counts the occurrences of P as a
-substring of the indexed sequences; its child for token t counts those of P + t. So child count / node count
-is how often P went on with t (SuffixDecoding's score); the ratios of a node's children sum to at most 1 (an
-occurrence at a sequence's end goes on with nothing). The root counts every indexed token.
-
-Memory: a path that occurred once is not stored beyond its first node (that node keeps a reference to its one
-occurrence and is expanded into a real child when a second occurrence arrives or a query looks below it), so
-the index holds O(tokens + repeated substrings) nodes, not O(tokens * max_depth). Appending a token costs
-O(max_depth) steps (one per start whose path is shorter than ``max_depth``), amortised.
-
-Drafts (``draft_chain``, ``draft_tree``) never go past a token of ``stop`` (the EOS ids; a row stops there,
-so tokens after it could not count): with ``eos="before"`` (the default, as prompt lookup's) a stop token is
-never proposed (a chain whose most frequent next token is one ends there; a tree still offers its siblings),
-with ``"after"`` it is proposed and ends its branch. ``continuations`` lists stop tokens like any other.
-The file format is ``suffix_index_file.py``.
+So the continuations of a text's longest matching suffix come with frequencies. ``SuffixIndex`` adds,
+extends and removes sequences incrementally, matches a context, drafts a chain or a best-first tree that
+never goes past a stop (EOS) token, and gives its state as flat lists for its file (``index_file.py``).
+Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations
@@ -63,7 +50,8 @@ class SuffixDraft:
 class SuffixIndex:
     """A bounded-depth suffix trie with counts over token sequences, added, extended and removed
     incrementally; ``max_sequences``: keep at most that many (the oldest added is evicted first; None: no
-    bound). ``stop``/``eos``: see the module docstring."""
+    bound). ``stop``: the EOS ids, never drafted past; ``eos="before"`` (the default, as prompt lookup's): a
+    stop token is never proposed, ``"after"``: it is proposed and ends its branch."""
 
     def __init__(
         self,
@@ -220,7 +208,9 @@ class SuffixIndex:
                 break
             score *= prob
             draft.parents.append(len(draft.tokens) - 1)
-            draft.tokens.append(token), draft.probs.append(prob), draft.scores.append(score)
+            draft.tokens.append(token)
+            draft.probs.append(prob)
+            draft.scores.append(score)
             if token in self.stop:
                 break
             node = child
@@ -238,8 +228,10 @@ class SuffixIndex:
         self._offer(heap, order, node, -1, score=1.0, min_prob=min_prob)
         while heap and len(draft.tokens) < max_nodes:
             neg, _, token, parent, prob, child = heapq.heappop(heap)
-            draft.tokens.append(token), draft.parents.append(parent)
-            draft.probs.append(prob), draft.scores.append(-neg)
+            draft.tokens.append(token)
+            draft.parents.append(parent)
+            draft.probs.append(prob)
+            draft.scores.append(-neg)
             if token not in self.stop:
                 self._offer(heap, order, child, len(draft.tokens) - 1, score=-neg, min_prob=min_prob)
         return draft
@@ -260,7 +252,7 @@ class SuffixIndex:
                 heapq.heappush(heap, (-score * prob, next(order), token, index, prob, child))
 
     def state(self) -> dict[str, list[Any]]:
-        """What the index holds, as flat lists (for ``suffix_index_file``): ``ids`` [S] (oldest first),
+        """What the index holds, as flat lists (for ``index_file``): ``ids`` [S] (oldest first),
         ``lengths`` [S], ``tokens`` [sum(lengths)] (the sequences one after another), and the nodes below the
         root in preorder: ``parent`` [M] (index of the parent node, -1: the root), ``token``, ``count``,
         ``ref_seq`` (index into ``ids`` of an unexpanded node's occurrence, -1: expanded), ``ref_end`` [M]."""
@@ -269,7 +261,10 @@ class SuffixIndex:
         for key in self.keys.values():
             out["lengths"].append(len(self.tokens[key]))
             out["tokens"].extend(self.tokens[key])
-        nodes = out["parent"], out["token"], out["count"], out["ref_seq"], out["ref_end"] = [], [], [], [], []
+        columns = ("parent", "token", "count", "ref_seq", "ref_end")
+        for column in columns:
+            out[column] = []
+        nodes = [out[column] for column in columns]
         stack = [(-1, token, child) for token, child in reversed(self.root.children.items())]
         while stack:
             parent, token, node = stack.pop()

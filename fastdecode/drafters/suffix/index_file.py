@@ -1,15 +1,9 @@
 """The suffix index file (a corpus for suffix drafting, built once): ``save_index`` / ``load_index``.
 
-Layout: one line of JSON, the header (``format``, ``version``, ``max_depth``, ``max_sequences``, the caller's
-tokenizer ``fingerprint``, the counts ``sequences``/``tokens``/``nodes``, the sequence ``ids``, ``body_bytes``
-and ``sha256``), then the body: little-endian int64 arrays one after another, ``lengths`` [S], ``tokens`` [T],
-then the nodes ``parent``, ``token``, ``count``, ``ref_seq``, ``ref_end`` [M] each (``SuffixIndex.state``).
-The sha256 covers the header (without the sha256 itself) and the body, so any flipped byte is found. Written
-atomically (``fastdecode.files.io.atomic_path``): a reader sees the old file or the whole new one.
-
-``load_index`` refuses, each by its own error: a file that is not a suffix index (``NotASuffixIndexError``),
-one of another format version (``SuffixIndexVersionError``), a damaged one (truncated, or a checksum that does
-not match: ``SuffixIndexDamagedError``) and one built for another tokenizer (``SuffixIndexFingerprintError``).
+A file is one line of JSON, the header, then the body: little-endian int64 arrays of ``SuffixIndex.state``.
+A sha256 covers both, the file is written atomically, and ``load_index`` refuses a foreign, other-version,
+damaged or other-tokenizer file, each with its own ``SuffixIndexError`` subclass. Design notes:
+docs/design/drafters.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
-"""Suffix decoding (SuffixDecoding, Oliaro et al., NeurIPS 2025; Snowflake ArcticInference's suffix decoding,
-vLLM's ``method: "suffix"``): drafts continue the longest suffix of a row's text found in a suffix index
-(``fastdecode/drafters/suffix/index.py``), by continuation frequency, verified by the whole model: lossless, free to
-draft, no training.
+"""Suffix decoding (SuffixDecoding, Oliaro et al., NeurIPS 2025): the ``suffix`` decoder. Drafts continue the
+longest suffix of a row's text found in a suffix index (``index.py``), verified by the whole model: lossless.
 
-Three indexes (``decoder.suffix``, ``options.SuffixOptions``): the row's own (its prompt and output, extended
-as tokens arrive), the process-wide global one over earlier calls' outputs, and optionally a read-only corpus
-file (``suffix_sources.py``). Per row, the draft comes from the index whose candidate has the higher expected
-accepted length (the sum of its nodes' calibrated scores); a match shorter than ``min_match`` drafts nothing.
-By default a draft is the index's most frequent chain; ``decoder.suffix.tree=true`` drafts its best-first
-token tree (``Draft.parents``), which only a loop that verifies trees may take.
-
-Calibration: a node's raw score (the product of frequency ratios) is overconfident when counts are small (a
-continuation seen once has ratio 1). Each step's ratio is replaced by the acceptance seen so far in its bin
-(the index, the match length and the ratio, bucketed), starting from a prior of ratio x prompt lookup's
-first-token acceptance after a match of that length (``ngram.MATCH_PRIOR``: replayed on SmolLM2's own answers),
-which counts as ``MATCH_PRIOR_WEIGHT`` observations. The counts outlive a call (per model, ``suffix_sources.carried``),
-each new call weighing the earlier evidence by ``chain.CARRY``: one call of ~100 tokens is too short to learn
-that, say, the global index's drafts miss on this workload. How long a draft is: with a cost-aware policy (``adaptive``)
-the width where the batch's expected tokens per verification cost is highest (a verification is as wide as
-its widest row, ``PromptLookupProposer.cut``); a row with no match drafts nothing and pays nothing.
-
-Drafts are deterministic, so their q is a one-hot when sampling: lossless (``speculative.accept``).
+``SuffixProposer`` drafts per row from the best of its indexes (the row's own, the process-wide global one,
+an optional corpus file: ``sources.py``) by expected accepted length under ``Calibration``: a chain, or a
+token tree with ``decoder.suffix.tree=true``, cut with a cost-aware policy at the batch's best width. With
+``decoder.suffix.first`` it is a chain's first stage. Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations
@@ -32,6 +16,7 @@ from fastdecode.decoding.common import refuse_exit_layer
 from fastdecode.decoding.config import DecodeConfig, DecodeOutput
 from fastdecode.decoding.kinds import ProposerKind, Setup
 from fastdecode.decoding.speculative import Draft, Round, Verdict
+from fastdecode.decoding.tree import row_depths
 from fastdecode.drafters.suffix.index import SuffixDraft, SuffixIndex
 from fastdecode.drafters.suffix.options import SuffixOptions
 from fastdecode.drafters.suffix.sources import carried, corpus_of, global_index, remember
@@ -46,14 +31,6 @@ RATIO_BINS = 4  # frequency-ratio buckets: [0, .25), ..., [.75, 1), and 1 itself
 
 def bin_of(source: str, match: int, ratio: float) -> tuple[str, int, int]:
     return source, sum(match >= b for b in MATCH_BINS), min(int(ratio * RATIO_BINS), RATIO_BINS)
-
-
-def depths(parents: list[int]) -> list[int]:
-    """Each node's depth (1: a child of the root) from its parent indices (parents before children)."""
-    found: list[int] = []
-    for parent in parents:
-        found.append(1 if parent < 0 else found[parent] + 1)
-    return found
 
 
 class Calibration:
@@ -77,7 +54,7 @@ class Calibration:
     def scores(self, source: str, draft: SuffixDraft) -> list[float]:
         """Each node's calibrated probability of being accepted (its path's calibrated ratios multiplied)."""
         out: list[float] = []
-        for prob, parent, depth in zip(draft.probs, draft.parents, depths(draft.parents), strict=True):
+        for prob, parent, depth in zip(draft.probs, draft.parents, row_depths(draft.parents), strict=True):
             step = self.ratio(source, draft.match_length + depth - 1, prob)
             out.append(step * (out[parent] if parent >= 0 else 1.0))
         return out
@@ -95,7 +72,7 @@ class Calibration:
                 break
             accepted.add(node)
         for i, (prob, parent, depth) in enumerate(
-            zip(draft.probs, draft.parents, depths(draft.parents), strict=True)
+            zip(draft.probs, draft.parents, row_depths(draft.parents), strict=True)
         ):
             if parent in accepted:
                 tally = self.counts.setdefault(
@@ -106,7 +83,7 @@ class Calibration:
 
 
 @dataclass
-class Candidate:
+class SuffixChoice:
     """One row's draft this round: which index it came from, the draft, its nodes' calibrated scores."""
 
     source: str
@@ -148,11 +125,11 @@ class SuffixProposer(FirstStage):
         if corpus is not None:
             self.shared["corpus"] = corpus
         self.calibration = carried(s.m, "calibration", Calibration).carried()
-        self.drafted: list[Candidate | None] = [None] * len(s.prompts)
+        self.drafted: list[SuffixChoice | None] = [None] * len(s.prompts)
         self.before: list[int] = [0] * len(s.prompts)  # each row's emitted tokens when it drafted
         self.round: Round | None = None  # the round it last drafted in (its rows: the emitted tokens)
 
-    def candidate(self, row: int, generated: list[int], limit: int) -> Candidate | None:
+    def best_choice(self, row: int, generated: list[int], limit: int) -> SuffixChoice | None:
         """The row's best draft of at most ``limit`` nodes over its indexes, None when none matches."""
         own = self.rows[row]
         context = own.tokens[own.keys[0]]  # the row's text: its prompt, then its output (sequence id 0)
@@ -164,7 +141,7 @@ class SuffixProposer(FirstStage):
             draft = make(context, limit, self.options.min_prob)
             if not draft.tokens or draft.match_length < self.options.min_match:
                 continue
-            found = Candidate(source, draft, self.calibration.scores(source, draft))
+            found = SuffixChoice(source, draft, self.calibration.scores(source, draft))
             if best is None or sum(found.scores) > sum(best.scores):
                 best = found
         return best
@@ -178,21 +155,21 @@ class SuffixProposer(FirstStage):
         """As a chain's first stage (``decoder.suffix.first``): per row its chain draft's tokens (empty: none)."""
         return [c.draft.tokens if c is not None else [] for c in self.choose(r)]
 
-    def choose(self, r: Round) -> list[Candidate | None]:
+    def choose(self, r: Round) -> list[SuffixChoice | None]:
         """Each row's draft this round (None: none), cut with a cost-aware policy at the width the cost model
         expects to pay best for the batch (``cost.best_node_budget``); remembered for ``learn``."""
         batch = len(r.rows.tokens)
         self.round = r
-        found: list[Candidate | None] = [None] * batch
+        found: list[SuffixChoice | None] = [None] * batch
         for row in range(batch):
             self.before[row] = len(r.rows.tokens[row])
             if not r.rows.finished[row] and r.limit > 0:
-                found[row] = self.candidate(row, r.rows.tokens[row], r.limit)
+                found[row] = self.best_choice(row, r.rows.tokens[row], r.limit)
         if self.policy.cost_aware:
             plain = sum(not done for done in r.rows.finished)
             width = best_node_budget(self.costs, [c.scores for c in found if c is not None], plain)
             found = [
-                None if c is None or width == 0 else Candidate(c.source, cut(c.draft, width), [])
+                None if c is None or width == 0 else SuffixChoice(c.source, cut(c.draft, width), [])
                 for c in found
             ]
         self.drafted = found

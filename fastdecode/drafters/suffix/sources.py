@@ -1,20 +1,11 @@
-"""The indexes suffix decoding drafts from besides a row's own text (``suffix.py``): the process-wide global
+"""The indexes suffix decoding drafts from besides a row's own text (``proposer.py``): the process-wide global
 index over earlier outputs, and a corpus index read from a file.
 
-- Global (SuffixDecoding, Oliaro et al., NeurIPS 2025: the "global tree"; Snowflake ArcticInference): the
-  outputs of this process's earlier ``suffix`` calls on the same model, at most ``decoder.suffix.global_size``
-  of them (the oldest evicted first). Held per model (weakly, on the Hugging Face module: a model that goes
-  away takes its index with it), per index shape (depth, size, EOS ids, EOS rule) and per ``global_scope``
-  (a benchmark gives each method its own), so two models never share one. A call reads it and, when it
-  ends, adds each row's output (``remember``). ``reset_global_index`` empties it: a benchmark must, after
-  warm-up and before each pass over its prompts, so no prompt's own answer is in it when that prompt is
-  decoded (``fastdecode/bench/measure.py``).
-- Corpus: a suffix index file built once (``fastdecode-suffix-index``, ``fastdecode/drafters/suffix/index_file.py``),
-  read only, loaded once per file version (``fastdecode/files/file_cache.py``). The decoder sees the model, not its
-  tokenizer: it refuses a file built for a larger vocabulary than the model's or holding a token id the model
-  does not have; callers that hold the tokenizer (``fastdecode.api``, the speed benchmark) also require its
-  fingerprint (``tokenizer_fingerprint``'s vocabulary hash) to equal the file's, so a file built with another
-  tokenizer of the same size is refused too.
+The global index holds this process's earlier ``suffix`` outputs per model, index shape and ``global_scope``
+(``global_index``, ``remember``, ``reset_global_index``); ``carried`` keeps per-model state that calls carry
+on (the calibration). A corpus index is loaded once per file version and checked against the model's
+vocabulary and, when given, the tokenizer's fingerprint (``corpus_index``). Design notes:
+docs/design/drafters.md.
 """
 
 from __future__ import annotations
