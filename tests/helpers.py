@@ -328,3 +328,13 @@ def padded_verification(monkeypatch) -> list[tuple[int, int]]:
     monkeypatch.setattr(drafters, "cost_model", costs)
     monkeypatch.setattr(speculative, "verify", verify)
     return seen
+
+
+def kernel_tolerance(dtype: torch.dtype, reduction: int, magnitude: float) -> dict[str, float]:
+    """``assert_close`` tolerances for two computations of the same values whose sums may run in another order
+    or kernel (one row against a batch, a cache against a whole pass, AVX2 against AVX-512): the worst-case
+    error of a dot product of ``reduction`` terms of size ``magnitude``, ``reduction * u * magnitude`` with u
+    the unit roundoff of ``dtype`` (Higham, "Accuracy and Stability of Numerical Algorithms", eq. 3.5), and
+    the same bound relative to the values. ``reduction``: the summed lengths of the reductions in the chain."""
+    u = torch.finfo(dtype).eps / 2
+    return {"atol": reduction * u * magnitude, "rtol": reduction * u}
