@@ -7,7 +7,7 @@ from typing import Any
 
 from eagle3_train.losses import KINDS
 from fastdecode.config import ConfigError, unknown_name_error
-from fastdecode.drafters.eagle3.model import default_aux_layers
+from fastdecode.drafters.eagle3.model import NORM_BEFORE_RESIDUAL, default_aux_layers
 from fastdecode.training.feature_config import FeatureConfig
 
 MODES = ("cache", "online")
@@ -64,7 +64,7 @@ class Eagle3RecipeConfig:
     prev_correct: bool = False  # step k scores a position only where steps < k matched the target
     fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per feature before fc
     norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc
-    norm_before_residual: bool = False  # the original EAGLE-3 layer: vLLM and SGLang both serve it
+    norm_before_residual: bool = NORM_BEFORE_RESIDUAL  # the head's one default (false: both engines serve it)
     init: str = "target_head"  # target_head (lm_head = the target's rows of the draft vocab) | random
     speculative_tokens: int = 3  # K written into final/config.json (the servers' default draft length)
     features: Eagle3Features = field(default_factory=Eagle3Features)
@@ -92,7 +92,10 @@ class Eagle3RecipeConfig:
 
     def aux_layers(self, num_layers: int) -> list[int]:
         """The feature layers for a target of ``num_layers`` layers, checked: three distinct ids in
-        ``[1, num_layers - 1]`` (the residual stream after that many blocks; the cache holds no id 0 or L)."""
+        ``[1, num_layers - 1]`` (the residual stream after that many blocks), refused here, before the
+        weights load. Narrower than the head's ``[0, L - 1]`` (``model.check_aux_layer_ids``, which says why
+        L is never meant): id 0, the embedding output, is refused at training time because a run exports
+        for SGLang too, which cannot capture it (``files.sglang_unsupported``), and the cache holds none."""
         try:
             ids = (
                 list(self.aux_layer_ids) if self.aux_layer_ids is not None else default_aux_layers(num_layers)
@@ -105,7 +108,8 @@ class Eagle3RecipeConfig:
             )
             raise ConfigError(
                 f"recipe.aux_layer_ids={given} but the target has {num_layers} layers: give three distinct ids "
-                f"in [1, {num_layers - 1}] (the residual stream after that many blocks), or null for "
+                f"in [1, {num_layers - 1}] (the residual stream after that many blocks; not 0, the embedding "
+                f"output SGLang cannot capture, nor {num_layers}, after the final block), or null for "
                 "[2, L // 2, L - 3]."
             )
         return sorted(ids)

@@ -43,6 +43,9 @@ def continuations(m: EarlyExitModel, count: int, seed: int, width: int = 8, new:
 
 
 def head_config(m: EarlyExitModel, draft_vocab_size: int, **options) -> Eagle3Config:
+    """A head for ``m``; norm before the residual (EAGLE-3's paper layer) unless ``options`` say otherwise: it
+    learns the tiny models' text in the steps ``train_head`` gives it."""
+    options = {"norm_before_residual": True} | options
     return Eagle3Config.from_target(m.config, draft_vocab_size=draft_vocab_size, **options)
 
 
@@ -91,7 +94,7 @@ def random_head_dir(out: Path, name: str = "tiny-llama") -> str:
 def random_tiny_vocab_head(m: EarlyExitModel, out: Path) -> str:
     """A random-init head for ``tests.helpers.tiny_vocab_model()`` over 6 of its 8 tokens (its q far from p
     and far from one-hot: what sampling tests need), saved in ``out/head``."""
-    config = Eagle3Config.from_target(m.config, draft_vocab_size=6, aux_layer_ids=[0, 1, 2])
+    config = Eagle3Config.from_target(m.config, draft_vocab_size=6, aux_layer_ids=[0, 1, 1])
     torch.manual_seed(0)
     head = Eagle3Head(config)
     head.set_draft_vocab([0, 1, 2, 3, 5, 7])

@@ -69,7 +69,7 @@ def test_config_from_target_and_default_layers():
     assert cfg.aux_layer_ids == [2, 4, 5] == default_aux_layers(8)
     assert default_aux_layers(32) == [2, 16, 29]
     assert (cfg.hidden_size, cfg.target_hidden_size, cfg.head_dim, cfg.vocab_size) == (H, H, HEAD_DIM, VOCAB)
-    assert cfg.rope_theta == 5000.0 and cfg.norm_before_residual is True
+    assert cfg.rope_theta == 5000.0 and cfg.norm_before_residual is False
     assert cfg.target_architectures == ["LlamaForCausalLM"]
 
 
@@ -131,7 +131,8 @@ def test_past_kv_equals_whole_sequence():
     rest, rest_hidden = head(embeds[:, 4:], features[:, 4:], positions[:, 4:], kv=kv)
     assert len(kv) == 7
     torch.testing.assert_close(torch.cat([first, rest], 1), whole, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(rest_hidden, whole_hidden[:, 4:], atol=1e-5, rtol=1e-5)
+    # the raw residual (the default layer) carries the fused feature's scale: float32 rounding ~1e-5 there
+    torch.testing.assert_close(rest_hidden, whole_hidden[:, 4:], atol=1e-4, rtol=1e-4)
     kv.crop(4)  # roll back the last three and run them one at a time
     steps = [
         head(embeds[:, i : i + 1], features[:, i : i + 1], positions[:, i : i + 1], kv=kv)[0]
@@ -195,14 +196,14 @@ def test_draft_vocabulary_maps():
 
 
 OPTIONS = [
+    {"norm_before_residual": True},
     {},
-    {"norm_before_residual": False},
     {"fc_norm": True},
-    {"norm_before_fc": True, "norm_before_residual": False},
+    {"norm_before_fc": True},
 ]
 
 
-@pytest.mark.parametrize("options", OPTIONS, ids=["plain", "raw_residual", "fc_norm", "norm_before_fc"])
+@pytest.mark.parametrize("options", OPTIONS, ids=["normed_residual", "plain", "fc_norm", "norm_before_fc"])
 def test_round_trip_in_both_dialects(tmp_path, options):
     head = random_head(**options)
     save_eagle3(head, head.config, tmp_path / "head", verifier_name="org/target", speculative_tokens=4)
@@ -210,7 +211,7 @@ def test_round_trip_in_both_dialects(tmp_path, options):
     expected, _ = head(embeds, features, positions)
     sglang_cfg = dataclasses.replace(head.config, target_architectures=[])  # SGLang's config has no verifier
     folders = [(tmp_path / "head", head.config)]
-    if options == {"norm_before_residual": False}:  # the only one SGLang runs (test_eagle3_interop.py)
+    if options == {}:  # the only one SGLang runs (test_eagle3_interop.py)
         folders.append((tmp_path / "head" / "sglang", sglang_cfg))
     else:
         assert not (tmp_path / "head" / "sglang").exists()
@@ -280,12 +281,14 @@ def test_files_of_both_dialects(tmp_path):
     }
     sgl = json.loads((out / "sglang" / "config.json").read_text())
     assert sgl["architectures"] == ["LlamaForCausalLMEagle3"] and sgl["num_hidden_layers"] == 1
-    assert sgl["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
+    assert sgl["eagle_config"] == {
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 4]
+    }  # SGLang's k: hidden_states[k + 1]
     assert (sgl["draft_vocab_size"], sgl["vocab_size"], sgl["tie_word_embeddings"]) == (DRAFT, VOCAB, False)
     assert LlamaConfig(**sgl).rope_parameters["rope_theta"] == 5000.0  # transformers reads the RoPE base
 
 
-def test_option_weights_are_named_as_the_servers_expect(tmp_path):
+def test_option_weights_are_named_as_speculators_names_them(tmp_path):
     head = random_head(fc_norm=True)
     out = save_eagle3(head, head.config, tmp_path / "a", verifier_name="t")
     names = set(tensor_shapes(out / "model.safetensors"))
@@ -399,3 +402,59 @@ def test_contradicting_vocabulary_maps_are_refused(tmp_path):
     save_file(state, str(out / "model.safetensors"))
     with pytest.raises(Eagle3FileError, match="d2t and t2d describe different draft vocabularies"):
         load_eagle3(out)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Feature ids, the one default of norm_before_residual, what the engines cannot run
+def test_feature_ids_are_the_inputs_of_the_target_blocks():
+    """Id i is hidden_states[i], the residual stream entering block i: [0, L - 1]. L (after the last block:
+    post-norm in Hugging Face and fastdecode's capture, pre-norm in vLLM, absent in SGLang) is refused by
+    name with the range, in one line, from the target's config alone; 0 (the embedding output) is a head's."""
+    with pytest.raises(Eagle3ConfigError) as err:
+        Eagle3Config.from_target(target_config(), draft_vocab_size=DRAFT, aux_layer_ids=[2, 4, 8])
+    assert str(err.value) == (
+        "aux_layer_ids=[2, 4, 8]: [8] out of range; a target of 8 layers has feature ids in [0, 7] "
+        "(hidden_states[i], the residual stream entering block i)"
+    )
+    cfg = Eagle3Config.from_target(target_config(), draft_vocab_size=DRAFT, aux_layer_ids=[0, 4, 7])
+    assert cfg.aux_layer_ids == [0, 4, 7]
+    with pytest.raises(Eagle3ConfigError, match=r"aux_layer_ids=\[-1, 4, 7\]: .* in \[0, L - 1\]") as err:
+        dataclasses.replace(cfg, aux_layer_ids=[-1, 4, 7])  # a file's ids: no target to bound them above
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("ids", [[0, 4, 5], [2, 4, 8]])
+def test_training_takes_ids_1_to_l_minus_1(ids):
+    from eagle3_train.config import Eagle3RecipeConfig
+
+    with pytest.raises(UserError, match=rf"recipe.aux_layer_ids=\[{ids[0]}, 4, {ids[2]}\] .* in \[1, 7\]"):
+        Eagle3RecipeConfig(aux_layer_ids=ids).aux_layers(8)
+    assert Eagle3RecipeConfig(aux_layer_ids=[7, 1, 4]).aux_layers(8) == [1, 4, 7]
+
+
+def test_one_default_for_norm_before_residual(tmp_path):
+    """Built without it, a head and a training run get the same layer: the one both engines serve."""
+    from eagle3_train.config import Eagle3RecipeConfig
+
+    head_cfg = Eagle3Config.from_target(target_config(), draft_vocab_size=DRAFT)
+    assert Eagle3RecipeConfig().norm_before_residual is head_cfg.norm_before_residual is False
+    out = save_eagle3(Eagle3Head(head_cfg), head_cfg, tmp_path / "head", verifier_name="org/target")
+    assert (out / "sglang" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("option", ["fc_norm", "norm_before_fc"])
+def test_options_no_engine_runs_are_written_with_a_warning_saying_so(tmp_path, caplog, option):
+    head = random_head(**{option: True})
+    with caplog.at_level(logging.WARNING, logger="fastdecode.drafters.eagle3.files"):
+        out = save_eagle3(head, head.config, tmp_path / "head", verifier_name="org/target")
+    assert (out / "config.json").is_file() and not (out / "sglang").exists()
+    assert f"vLLM and SGLang cannot run {option}=true" in caplog.text
+    assert "only fastdecode decodes it correctly" in caplog.text and "vLLM serves" not in caplog.text
+
+
+def test_a_head_vllm_serves_warns_only_of_sglang(tmp_path, caplog):
+    head = random_head(norm_before_residual=True)  # vLLM honours the key; SGLang has only the raw residual
+    with caplog.at_level(logging.WARNING, logger="fastdecode.drafters.eagle3.files"):
+        save_eagle3(head, head.config, tmp_path / "head", verifier_name="org/target")
+    assert "SGLang's LlamaForCausalLMEagle3 cannot serve norm_before_residual=true" in caplog.text
+    assert "cannot run" not in caplog.text

@@ -33,8 +33,15 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_train.losses import ttt_unroll
-from fastdecode.drafters.eagle3.files import load_eagle3, save_eagle3, sglang_unsupported
-from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head
+from fastdecode.drafters.eagle3.files import (
+    Eagle3FileError,
+    load_eagle3,
+    read_eagle3_config,
+    save_eagle3,
+    sglang_layer_ids,
+    sglang_unsupported,
+)
+from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head, default_aux_layers
 from tests.test_eagle3_head import DRAFT, KEPT, H, inputs, random_head, rms, target_config
 
 STACKED = [  # SGLang's stacked_params_mapping: (param_name, shard_name, shard_id)
@@ -118,7 +125,13 @@ def test_sglang_export_is_what_sglang_loads(tmp_path, tied_target):
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"fc_norm": True}, {"norm_before_fc": True, "norm_before_residual": False}]
+    "options",
+    [
+        {"norm_before_residual": True},
+        {"fc_norm": True},
+        {"norm_before_fc": True},
+        {"aux_layer_ids": [0, 4, 5]},
+    ],
 )
 def test_heads_sglang_cannot_run_are_not_exported_to_it(tmp_path, options):
     head = random_head(**options)
@@ -139,6 +152,69 @@ def test_a_specforge_config_without_norm_before_residual_is_read_as_sglang_runs_
     assert cfg.norm_before_residual is False and not caplog.text  # SGLang's only layer: no doubt to warn of
     embeds, features, positions = inputs()
     assert torch.equal(loaded(embeds, features, positions)[0], head(embeds, features, positions)[0])
+
+
+def sglang_captures(explicit_ids: list[int] | None, num_layers: int) -> list[int]:
+    """The ``hidden_states`` index of each feature SGLang hands an EAGLE-3 head, in the order it concatenates
+    them: a transcription of sgl-project/sglang ``python/sglang/srt/models/llama.py``.
+    ``set_eagle3_layers_to_capture(layer_ids)`` sets ``layers_to_capture = [val + 1 for val in layer_ids]``
+    ("for the ith layer, it takes the output of the (i-1)th layer"), or ``[2, L // 2, L - 3]`` without ids;
+    ``LlamaModel.forward`` runs ``for i in range(start_layer, end_layer)``, appending ``hidden_states +
+    residual`` (the residual stream entering layer i: ``hidden_states[i]``) when ``i in layers_to_capture``,
+    then layer i; the residual is None before layer 0, where the addition fails (TypeError here)."""
+    to_capture = (
+        [val + 1 for val in explicit_ids] if explicit_ids is not None else default_aux_layers(num_layers)
+    )
+    captured, residual = [], None
+    for i in range(num_layers):
+        if i in to_capture:
+            if residual is None:
+                raise TypeError("unsupported operand type(s) for +: 'Tensor' and 'NoneType'")
+            captured.append(i)
+        residual = "the residual stream"  # every layer returns one
+    return captured
+
+
+@pytest.mark.parametrize("aux", [None, [1, 4, 7], [1, 2, 3], [3, 5, 6]])
+def test_sglang_captures_the_features_the_head_reads(tmp_path, aux):
+    """The ``sglang/`` ids make SGLang capture exactly ``hidden_states[aux]``; the speculators dialect keeps
+    them (vLLM uses them unchanged); either folder reads back the head's ids."""
+    head = random_head(aux_layer_ids=aux)  # a target of 8 layers; None: [2, 4, 5]
+    aux = head.config.aux_layer_ids
+    out = save_eagle3(head, head.config, tmp_path / "head", verifier_name="org/target")
+    sglang = json.loads((out / "sglang" / "config.json").read_text())
+    assert sglang_captures(sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"], 8) == aux
+    assert json.loads((out / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == aux
+    for folder in (out, out / "sglang"):
+        assert read_eagle3_config(folder).aux_layer_ids == load_eagle3(folder)[1].aux_layer_ids == aux
+
+
+@pytest.mark.parametrize("layers", [8, 28, 32])
+def test_specforge_default_ids_import_as_what_sglang_captures(tmp_path, layers):
+    """SpecForge writes ``[1, L // 2 - 1, L - 4]`` (SGLang's own default features): ours ``[2, L // 2, L - 3]``."""
+    specforge = [1, layers // 2 - 1, layers - 4]
+    assert sglang_captures(specforge, layers) == sglang_captures(None, layers) == default_aux_layers(layers)
+    head = random_head()
+    out = save_eagle3(head, head.config, tmp_path / "head", verifier_name="org/target") / "sglang"
+    config = json.loads((out / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = specforge
+    (out / "config.json").write_text(json.dumps(config))
+    assert read_eagle3_config(out).aux_layer_ids == [2, layers // 2, layers - 3]
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [-2, 3, 4]  # ours -1: refused by name
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Eagle3FileError, match=r"aux_layer_ids=\[-1, 4, 5\]"):
+        read_eagle3_config(out)
+
+
+def test_feature_id_0_is_kept_for_vllm_and_not_exported_to_sglang(tmp_path, caplog):
+    """The embedding output: vLLM and fastdecode capture it; SGLang would need id -1 and fails on it."""
+    head = random_head(aux_layer_ids=[0, 4, 5])
+    with pytest.raises(TypeError):
+        sglang_captures(sglang_layer_ids([0, 4, 5]), 8)
+    with caplog.at_level(logging.WARNING, logger="fastdecode.drafters.eagle3.files"):
+        out = save_eagle3(head, head.config, tmp_path / "head", verifier_name="org/target")
+    assert not (out / "sglang").exists() and "feature id 0 (the embedding output)" in caplog.text
+    assert load_eagle3(out)[1].aux_layer_ids == [0, 4, 5]
 
 
 def sglang_forward(routed: dict, config: dict, embeds: torch.Tensor, features: torch.Tensor, positions):
@@ -189,10 +265,10 @@ def test_sglang_computes_our_logits_from_the_export(tmp_path):
 SPECULATORS_PYTHON = "FASTDECODE_SPECULATORS_PYTHON"
 INTEROP = Path(__file__).resolve().parent / "interop"
 CASES = {  # name: (seed, head options, the target ties its embedding)
-    "plain": (0, {}, False),
-    "raw_residual": (1, {"norm_before_residual": False}, True),
-    "fc_norm": (2, {"fc_norm": True}, False),
-    "norm_before_fc": (3, {"norm_before_fc": True, "norm_before_residual": False}, True),
+    "normed_residual": (0, {"norm_before_residual": True}, False),
+    "plain": (1, {}, True),
+    "fc_norm": (2, {"fc_norm": True, "norm_before_residual": True}, False),
+    "norm_before_fc": (3, {"norm_before_fc": True}, True),
 }
 LENGTH, STEPS = 128, 3  # speculators extends its flex-attention block mask per step: T a multiple of 128
 

@@ -2,9 +2,10 @@
 
 ``save_eagle3`` writes one directory in the speculators dialect (what ``vllm serve`` reads) and, in its
 ``sglang/`` subfolder, the dialect of SGLang and SpecForge, unless the head uses a setting SGLang does not
-implement (``sglang_unsupported``). ``load_eagle3`` and ``read_eagle3_config`` read either dialect, told
-apart by ``architectures``, and refuse a foreign or damaged directory with ``Eagle3FileError`` naming the
-file. Design notes: docs/design/drafters.md.
+implement (``sglang_unsupported``); each dialect's feature-layer ids in its engine's convention
+(``sglang_layer_ids``). ``load_eagle3`` and ``read_eagle3_config`` read either dialect, told apart by
+``architectures``, and refuse a foreign or damaged directory with ``Eagle3FileError`` naming the file.
+Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -34,6 +36,7 @@ SPECULATORS_ARCHITECTURES = ("Eagle3DraftModel", "Eagle3Speculator")
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 LAYER_PREFIX, SGLANG_LAYER_PREFIX = "layers.0.", "midlayer."
 OPTIONAL_WEIGHTS = ("embed_tokens.weight",)  # speculators may save the verifier's embedding; not ours
+SGLANG_ID_SHIFT = 1  # SGLang's explicit feature id k is hidden_states[k + 1] (sglang_layer_ids)
 
 
 class Eagle3FileError(CheckpointError):
@@ -89,8 +92,22 @@ def speculators_config(cfg: Eagle3Config, verifier_name: str, speculative_tokens
     }
 
 
+def sglang_layer_ids(ids: Sequence[int]) -> list[int]:
+    """Our feature ids (Hugging Face ``hidden_states[i]``, what vLLM and the speculators dialect use
+    unchanged) as SGLang's ``eagle_aux_hidden_state_layer_ids``: ``i - 1``. SGLang's
+    ``set_eagle3_layers_to_capture`` (sgl-project/sglang ``python/sglang/srt/models/llama.py``) captures an
+    explicit id ``k`` before layer ``k + 1``, "the output of the (i-1)th layer": ``hidden_states[k + 1]``;
+    SpecForge writes ``[1, L // 2 - 1, L - 4]`` for our default ``[2, L // 2, L - 3]``."""
+    return [i - SGLANG_ID_SHIFT for i in ids]
+
+
+def layer_ids_from_sglang(ids: Sequence[int]) -> list[int]:
+    """SGLang's ``eagle_aux_hidden_state_layer_ids`` as our ``hidden_states`` indices: ``k + 1``."""
+    return [k + SGLANG_ID_SHIFT for k in ids]
+
+
 def sglang_config(cfg: Eagle3Config) -> dict[str, Any]:
-    """``sglang/config.json``: the flat Llama config SGLang and SpecForge read."""
+    """``sglang/config.json``: the flat Llama config SGLang and SpecForge read (feature ids minus one)."""
     return {
         "architectures": [SGLANG_ARCHITECTURE],
         **llama_layer_config(cfg),
@@ -99,21 +116,32 @@ def sglang_config(cfg: Eagle3Config) -> dict[str, Any]:
         "norm_before_residual": cfg.norm_before_residual,
         "norm_before_fc": cfg.norm_before_fc,
         "fc_norm": cfg.fc_norm,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids)},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(cfg.aux_layer_ids)},
     }
+
+
+def unserved_options(cfg: Eagle3Config) -> list[str]:
+    """``fc_norm`` / ``norm_before_fc`` where ``cfg`` turns them on: no serving engine runs them (vLLM's
+    EAGLE-3 loader does not honour either field, SGLang has neither module), so only fastdecode decodes such
+    a head as trained."""
+    return [f"{name}=true" for name in ("fc_norm", "norm_before_fc") if getattr(cfg, name)]
 
 
 def sglang_unsupported(cfg: Eagle3Config) -> list[str]:
-    """The settings of ``cfg`` that SGLang's ``LlamaForCausalLMEagle3`` does not implement (empty: SGLang
-    runs the head as trained). Its layer always takes the residual from the raw fused feature
-    (``norm_before_residual`` false) and it has no ``fc_norm`` or ``input_norm`` module, whose weights
-    its ``load_weights`` would skip silently."""
-    options = {
-        "norm_before_residual": cfg.norm_before_residual,
-        "fc_norm": cfg.fc_norm,
-        "norm_before_fc": cfg.norm_before_fc,
-    }
-    return [name for name, on in options.items() if on]
+    """What of ``cfg`` SGLang's ``LlamaForCausalLMEagle3`` cannot serve as trained (empty: it can).
+
+    Its layer always takes the residual from the raw fused feature (``norm_before_residual`` false), it has
+    no ``fc_norm`` or ``input_norm`` module, whose weights its ``load_weights`` would skip silently, and it
+    cannot capture feature id 0 (the embedding output): that is SGLang id -1, whose capture before layer 0
+    adds a residual that does not exist yet. Id 0 is refused here, for the ``sglang/`` export only, rather
+    than by ``Eagle3Config``: vLLM and fastdecode read it right, so such a head (e.g. a speculators
+    checkpoint) keeps its speculators directory; ``recipe=eagle3`` never trains it (ids from 1)."""
+    found = [
+        f"{name}=true" for name in ("norm_before_residual", "fc_norm", "norm_before_fc") if getattr(cfg, name)
+    ]
+    if 0 in cfg.aux_layer_ids:
+        found.append(f"feature id 0 (the embedding output) of aux_layer_ids={list(cfg.aux_layer_ids)}")
+    return found
 
 
 def _renamed(state: dict[str, torch.Tensor], old: str, new: str) -> dict[str, torch.Tensor]:
@@ -146,15 +174,7 @@ def save_eagle3(
         raise ConfigError(f"speculative_tokens={speculative_tokens}: give at least 1")
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     dtype = head.fc.weight.dtype
-    unsupported = sglang_unsupported(cfg)
-    if unsupported:
-        log.warning(
-            "not writing %s: SGLang's LlamaForCausalLMEagle3 does not implement %s and would serve the head "
-            "computing something else; vLLM serves the directory as written. Train with those options off "
-            "to serve with SGLang",
-            Path(out_dir) / SGLANG_DIR,
-            ", ".join(f"{name}=true" for name in unsupported),
-        )
+    unsupported = _warn_unserved(cfg, Path(out_dir))
 
     def write(folder: Path) -> None:
         _write(folder, speculators_config(cfg, verifier_name, speculative_tokens), state, dtype)
@@ -168,6 +188,29 @@ def save_eagle3(
         with atomic_directory(out_dir) as tmp:
             write(tmp)
     return Path(out_dir)
+
+
+def _warn_unserved(cfg: Eagle3Config, out_dir: Path) -> list[str]:
+    """Warn of what the engines cannot serve in ``cfg``; return ``sglang_unsupported(cfg)``."""
+    unserved = unserved_options(cfg)
+    if unserved:
+        log.warning(
+            "%s: vLLM and SGLang cannot run %s (vLLM's EAGLE-3 loader does not honour the field, SGLang has "
+            "no such module), so neither serves this head as trained: only fastdecode decodes it correctly. "
+            "Train with those options off to serve it with an engine",
+            out_dir,
+            ", ".join(unserved),
+        )
+    unsupported = sglang_unsupported(cfg)
+    if unsupported:
+        log.warning(
+            "not writing %s: SGLang's LlamaForCausalLMEagle3 cannot serve %s and would serve the head "
+            "computing something else; the speculators directory is written. Train with those options off "
+            "(and feature ids >= 1) to serve with SGLang",
+            out_dir / SGLANG_DIR,
+            ", ".join(unsupported),
+        )
+    return unsupported
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
@@ -214,11 +257,13 @@ def config_from_files(config: dict[str, Any], path: Path) -> Eagle3Config:
     elif arch == SGLANG_ARCHITECTURE:
         layer = config
         aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if aux is None:
+        if not isinstance(aux, list) or not all(isinstance(k, int) for k in aux):
             raise Eagle3FileError(
-                f"{path} has no eagle_config.eagle_aux_hidden_state_layer_ids: add the target's feature "
-                "layer ids (default [2, L // 2, L - 3]) or write the head again with save_eagle3"
+                f"{path} has no list of integers eagle_config.eagle_aux_hidden_state_layer_ids: add the "
+                "target's feature layer ids in SGLang's convention (hidden_states index minus one; "
+                "SpecForge's default [1, L // 2 - 1, L - 4]) or write the head again with save_eagle3"
             )
+        aux = layer_ids_from_sglang(aux)
     else:
         raise Eagle3FileError(
             f"{path}: architectures {config.get('architectures')} is not an EAGLE-3 head (expected "

@@ -22,6 +22,9 @@ from fastdecode.drafters.eagle3.layer import Eagle3KV, Eagle3Layer, RMSNorm, rop
 from fastdecode.runtime.cache import KVCache
 
 FEATURES = 3  # target hidden states the head reads per position (low, middle, high)
+# The one default of ``norm_before_residual`` (the head's and ``recipe=eagle3``'s): false, EAGLE-3's layer,
+# the only one SGLang runs and the one vLLM runs when the file says so (``files.py`` always writes the key).
+NORM_BEFORE_RESIDUAL = False
 
 
 class Eagle3ConfigError(ConfigError):
@@ -37,6 +40,23 @@ def default_aux_layers(num_layers: int) -> list[int]:
             "give aux_layer_ids explicitly"
         )
     return [2, num_layers // 2, num_layers - 3]
+
+
+def check_aux_layer_ids(ids: Sequence[int], num_layers: int) -> None:
+    """Refuse feature ids a target of ``num_layers`` (L) layers does not have, before any weights load.
+
+    Id ``i`` is Hugging Face's ``hidden_states[i]``: the residual stream entering block ``i``, ``0 <= i < L``
+    (0: the embedding output). Every runtime reads those alike: vLLM captures id ``i`` before layer ``i``,
+    SGLang before layer ``k + 1`` of its id ``k = i - 1`` (``files.sglang_layer_ids``), fastdecode's
+    verification (``speculative.run_capturing``) and the training features after ``i`` blocks. ``L`` is
+    refused: there Hugging Face and fastdecode's capture read the stream after the final norm, vLLM before it,
+    SGLang nothing, so one id would mean three features."""
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise Eagle3ConfigError(
+            f"aux_layer_ids={list(ids)}: {bad} out of range; a target of {num_layers} layers has feature ids "
+            f"in [0, {num_layers - 1}] (hidden_states[i], the residual stream entering block i)"
+        )
 
 
 def rope_theta_of(config: Any) -> float:
@@ -70,7 +90,7 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
-    norm_before_residual: bool = True
+    norm_before_residual: bool = NORM_BEFORE_RESIDUAL
     fc_norm: bool = False  # EAGLE-3.1: an RMSNorm per feature before fc
     norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc
     target_architectures: list[str] = field(default_factory=list)
@@ -83,6 +103,11 @@ class Eagle3Config:
             )
         if len(self.aux_layer_ids) != FEATURES:
             raise Eagle3ConfigError(f"aux_layer_ids={self.aux_layer_ids}: give exactly {FEATURES} layer ids")
+        if any(i < 0 for i in self.aux_layer_ids):  # the upper bound needs the target: check_aux_layer_ids
+            raise Eagle3ConfigError(
+                f"aux_layer_ids={self.aux_layer_ids}: feature ids are hidden_states indices in [0, L - 1] "
+                "for a target of L layers (0: the embedding output)"
+            )
         if self.num_attention_heads % self.num_key_value_heads or self.head_dim % 2:
             raise Eagle3ConfigError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of num_key_value_heads="
@@ -108,16 +133,16 @@ class Eagle3Config:
         **overrides: Any,
     ) -> Eagle3Config:
         """The head for a Hugging Face target ``config``: its widths, heads, norm epsilon, RoPE base and
-        vocabulary; ``aux_layer_ids`` default to ``default_aux_layers(config.num_hidden_layers)``; any
-        field may be overridden by name (an unknown one is refused)."""
+        vocabulary; ``aux_layer_ids`` default to ``default_aux_layers(config.num_hidden_layers)`` and are
+        checked against the target (``check_aux_layer_ids``); any field may be overridden by name (an unknown
+        one is refused)."""
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise Eagle3ConfigError(f"Eagle3Config has no field(s) {sorted(unknown)}")
         hidden = config.hidden_size
         layers = config.num_hidden_layers
         ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layers(layers)
-        if any(not 0 <= i <= layers for i in ids):
-            raise Eagle3ConfigError(f"aux_layer_ids={ids}: a target of {layers} layers has ids 0..{layers}")
+        check_aux_layer_ids(ids, layers)
         values: dict[str, Any] = dict(
             hidden_size=hidden,
             target_hidden_size=hidden,
