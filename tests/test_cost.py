@@ -3,13 +3,19 @@ of a block, verification costs per number of new tokens, expected speedups, exit
 
 from __future__ import annotations
 
+import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 import fastdecode.plan.cost as cost
+import fastdecode.registry  # noqa: F401  (fills the loop's tables that plan_decoding reads)
+import fastdecode.runtime.identity as identity
 from fastdecode.config import ConfigError
+from fastdecode.drafters.eagle3.kind import HEAD_REPEATS, head_token_cost, measure_head
+from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head
 from fastdecode.drafters.exits.adapter import INDEX_FILE, build_adapter, load_adapter, save_adapter
 from fastdecode.drafters.exits.record import RecordedAdapter, recorded_adapter
 from fastdecode.plan.acceptance import AcceptanceRecord, DrafterRecord
@@ -28,6 +34,7 @@ from fastdecode.plan.cost import (
     measure_costs,
     pad_lengths,
 )
+from fastdecode.runtime.identity import weights_fingerprint
 from fastdecode.runtime.model import EarlyExitModel
 from tests.helpers import lively_model
 
@@ -285,3 +292,72 @@ def test_an_adapters_measured_cost_is_keyed_by_its_files_not_its_address(tmp_pat
         next(other.parameters()).add_(1.0)
     assert drafter_key(other, None) != drafter_key(build_adapter(m, 2, init="last"), None)
     assert drafter_key(first, torch.arange(5)) != drafter_key(first, torch.arange(6))
+
+
+def quick_timer(name, fn, device):
+    """A timer that runs nothing: ``measure_costs`` probes priced by their T (layers 1 ms, head 0.1 ms)."""
+    return (1e-3 if name[0] == "layers" else 1e-4) * name[1]
+
+
+def test_loads_that_differ_in_dtype_attention_or_versions_are_kept_apart(tmp_path, monkeypatch):
+    """The weights' fingerprint rounds sampled values to bf16, so an fp32 and a bf16 load of the same weights
+    share it: the stored entry is keyed by the dtype too (and the attention and the library versions), so
+    neither load is priced by the other's timings."""
+    monkeypatch.setenv("FASTDECODE_COSTS", str(tmp_path))
+    calls: list[str] = []
+    real = cost.measure_costs
+
+    def counted(m, *args, **kwargs):
+        calls.append(str(m.dtype))
+        return real(m, *args, timer=quick_timer, **kwargs)
+
+    monkeypatch.setattr(cost, "measure_costs", counted)
+    fp32 = lively_model("tiny-llama").hf
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    assert weights_fingerprint(fp32) == weights_fingerprint(bf16)  # one store file for both
+    decoding_costs(EarlyExitModel(fp32))
+    decoding_costs(EarlyExitModel(bf16))
+    assert calls == ["torch.float32", "torch.bfloat16"]
+    [stored] = list(tmp_path.rglob("*.json"))
+    keys = list(json.loads(stored.read_text())["entries"])
+    assert len(keys) == 2 and ["dtype=float32" in k for k in keys] == [True, False]
+    assert all(
+        f"torch={torch.__version__}" in k and "transformers=" in k and "fastdecode=" in k for k in keys
+    )
+    decoding_costs(EarlyExitModel(bf16))  # each load reads its own entry back
+    decoding_costs(EarlyExitModel(fp32))
+    assert len(calls) == 2
+    eager = copy.deepcopy(fp32)
+    eager.config._attn_implementation = "eager"
+    decoding_costs(EarlyExitModel(eager))
+    assert len(calls) == 3  # another attention implementation: measured
+    version = identity.package_version
+    monkeypatch.setattr(
+        identity, "package_version", lambda name: "9.9" if name == "transformers" else version(name)
+    )
+    decoding_costs(EarlyExitModel(fp32))
+    assert len(calls) == 4  # another transformers: measured
+    assert len(json.loads(stored.read_text())["entries"]) == 4
+
+
+def test_the_eagle3_heads_price_is_timed_against_a_step_of_the_same_measurement():
+    """A head's drafted token over a plain step timed beside it (interleaved), never over the cost model's
+    ``step_seconds``: that one may come from the store, timed by another process on another day."""
+    m = lively_model("tiny-llama")
+    head = Eagle3Head(Eagle3Config.from_target(m.config, draft_vocab_size=m.vocab_size)).to(m.dtype).eval()
+    costs = decoding_costs(m)
+    names = []
+
+    def timer(name, fn, device):
+        fn()
+        names.append(name)
+        return {("eagle3_draft",): 0.002, ("step",): 0.01}[name]
+
+    assert measure_head(m, head, timer=timer) == pytest.approx(0.2)
+    assert names.count(("step",)) == names.count(("eagle3_draft",)) == HEAD_REPEATS + 1
+    assert head_token_cost(costs, m, head) == pytest.approx(0.2)  # kept on the model
+    wrong = replace(costs, step_seconds=costs.step_seconds * 1000)  # a stored step from another session
+    assert head_token_cost(wrong, m, head) == pytest.approx(0.2)
+    fresh = EarlyExitModel(m.hf)  # nothing measured in memory: timed for real, against its own step
+    assert 0.01 < head_token_cost(wrong, fresh, head) < 5.0
+    assert len(names) == 2 * (HEAD_REPEATS + 1)

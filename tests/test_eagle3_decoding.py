@@ -227,7 +227,7 @@ def test_eagle3_refuses_a_missing_a_foreign_or_a_damaged_head(tmp_path, monkeypa
     with pytest.raises(ConfigError, match="needs decoder.drafter"):
         DECODERS["eagle3"](m, prompts, cfg)
     small = tiny_vocab_model()
-    foreign = Eagle3Head(Eagle3Config.from_target(small.config, draft_vocab_size=8, aux_layer_ids=[0, 1, 2]))
+    foreign = Eagle3Head(Eagle3Config.from_target(small.config, draft_vocab_size=8, aux_layer_ids=[0, 1, 1]))
     save_eagle3(foreign, foreign.config, tmp_path / "foreign", verifier_name="small")
     with pytest.raises(ConfigError, match="target hidden size 32, but this model has 64"):
         DECODERS["eagle3"](m, prompts, replace(cfg, drafter=str(tmp_path / "foreign")))
@@ -288,13 +288,14 @@ def test_a_drafted_token_costs_one_head_forward_timed_once_per_head_shape(monkey
     def timer(name, fn, device):
         fn()
         calls.append(name)
-        return 0.002
+        return {("eagle3_draft",): 0.002, ("step",): 0.01}[name]
 
     monkeypatch.setattr(eagle3_kind, "timed", timer)
-    measured = replace(estimated, source="measured", step_seconds=0.01, batch=3)
+    # the head priced against a plain step timed in the same measurement, never against a stored step
+    measured = replace(estimated, source="measured", step_seconds=123.0, batch=3)
     assert head_token_cost(measured, m, head) == pytest.approx(0.2)
-    assert len(calls) == eagle3_kind.HEAD_REPEATS + 1
-    assert head_token_cost(measured, m, head) == pytest.approx(0.2) and len(calls) == 8  # kept on the model
+    assert len(calls) == 2 * (eagle3_kind.HEAD_REPEATS + 1)
+    assert head_token_cost(measured, m, head) == pytest.approx(0.2) and len(calls) == 16  # kept on the model
     proposer = Eagle3Proposer(m, head, DecodeConfig(max_new_tokens=4), torch.Generator(), costs=measured)
     proposer.head_cost = 0.2
     # each round: the drafts, the verification, and one more head pass (the row of the verifier's token)

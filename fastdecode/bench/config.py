@@ -241,7 +241,7 @@ def _drafter_files(
             spec.uses_drafter,
             drafter,
             "drafts with an EAGLE-3 head and none is set: pass drafter=PATH (the head's directory, "
-            "fastdecode.drafters.eagle3.files.save_eagle3 or a speculators / SpecForge checkpoint).",
+            "from python train.py recipe=eagle3, or a speculators / SpecForge checkpoint).",
         ),
     }
     for key, (used, given, missing) in needs.items():

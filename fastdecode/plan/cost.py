@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -21,7 +22,7 @@ from fastdecode.config import unknown_name_error
 from fastdecode.plan.cost_store import load_measured, save_measured
 from fastdecode.plan.timing import Timer, interleaved_minima, lower_envelope, pad_lengths, timed
 from fastdecode.runtime.engine import default_options
-from fastdecode.runtime.identity import weights_fingerprint
+from fastdecode.runtime.identity import load_identity, weights_fingerprint
 from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.runtime.progress import phase
 
@@ -193,6 +194,21 @@ def _probe_cache(m: EarlyExitModel, context: int, steps: int, *, batch: int = 1,
     return cache, ids[:, context:], pos[:, context:], context
 
 
+def plain_step(m: EarlyExitModel, *, batch: int = 1) -> Callable[[], None]:
+    """A probe of one plain decoding step of ``batch`` rows (the blocks and the head over one new token after
+    ``PROBE_CONTEXT`` cached ones): the unit a drafter's pass is priced in, timed beside that pass in the same
+    measurement (``interleaved_minima``), never a step another session timed. Call it under inference mode."""
+    cache, ids, pos, context = _probe_cache(m, PROBE_CONTEXT, 1, batch=batch)
+    valid = torch.ones(batch, 1, dtype=torch.bool, device=m.device)
+
+    def step() -> None:
+        cache.crop(context)
+        cache.reserve(valid, context, pos)
+        m.exit_logits(m.run_layers(m.embed(ids, pos), 0, m.num_layers, pos, cache=cache)[:, -1])
+
+    return step
+
+
 @phase("cost model", "timing the blocks and the head over 1 to 16 new tokens on the engine that decodes")
 @torch.inference_mode()
 def measure_costs(
@@ -301,32 +317,73 @@ def decoding_costs(m: EarlyExitModel, source: str = "measured", *, batch: int = 
 
 
 def _store_key(m: EarlyExitModel, probes: Sequence[int], batch: int) -> str:
+    """The store's key within the file of ``m``'s weights on this machine: what was measured, the model's
+    dtypes, attention and library versions (``load_identity``), the engine, threads, batch and probed T."""
     engine = m.engine
     options = "hf" if engine is None else ",".join(f"{k}={v}" for k, v in asdict(engine.options).items())
-    return f"layers+head+pad|{options}|threads={torch.get_num_threads()}|batch={batch}|T={list(probes)}"
+    threads = torch.get_num_threads()
+    return f"layers+head+pad|{load_identity(m.hf)}|{options}|threads={threads}|batch={batch}|T={list(probes)}"
+
+
+def _positive(x: object, zero: bool = False) -> bool:
+    number = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return number and (x >= 0 if zero else x > 0)
+
+
+def stored_costs(value: object, m: EarlyExitModel, tokens: Sequence[int], batch: int) -> CostModel:
+    """The cost model a store entry holds (``CostModel.to_json``) for ``m`` probed at ``tokens`` with
+    ``batch`` rows, checked whole: ``ValueError`` naming what is wrong (a field missing or unknown, a value
+    of the wrong type, a table of another length than ``tokens``, another model's sizes)."""
+    names = {f.name for f in fields(CostModel)}
+    if not isinstance(value, dict) or set(value) != names:
+        found = sorted(value) if isinstance(value, dict) else type(value).__name__
+        raise ValueError(f"fields {found}, expected {sorted(names)}")
+    tokens, v = list(tokens), value
+
+    def table(x: object, check: Callable[[object], bool]) -> bool:
+        return isinstance(x, list) and len(x) == len(tokens) and all(check(y) for y in x)
+
+    pads = table(v["pad"], lambda p: type(p) is int and p in tokens)
+    wrong = [
+        name
+        for name, ok in (
+            ("num_layers", type(v["num_layers"]) is int and v["num_layers"] == m.num_layers),
+            ("vocab_size", type(v["vocab_size"]) is int and v["vocab_size"] == m.vocab_size),
+            ("tokens", table(v["tokens"], lambda t: type(t) is int) and v["tokens"] == tokens),
+            ("layer", table(v["layer"], lambda x: _positive(x, zero=True))),
+            ("head", table(v["head"], lambda x: _positive(x, zero=True))),
+            ("source", v["source"] == "measured"),
+            ("step_seconds", _positive(v["step_seconds"])),
+            ("batch", type(v["batch"]) is int and v["batch"] == batch),
+            ("pad", pads and all(p >= t for p, t in zip(v["pad"], tokens, strict=True))),
+        )
+        if not ok
+    ]
+    if wrong:
+        raise ValueError(f"wrong {', '.join(wrong)}")
+    return CostModel(**{k: tuple(x) if isinstance(x, list) else x for k, x in v.items()})
 
 
 def cost_model(m: EarlyExitModel, source: str = "measured", *, batch: int = 1) -> CostModel:
     """The cost model of ``m`` on the engine it has selected, for batches of ``batch`` rows (priced at
     ``cost_batch(batch)``): ``measured`` once per model, machine, engine, thread count and batch size (kept
-    on the model, ``EarlyExitModel.measurements``, and on disk, ``fastdecode/plan/cost_store.py``), or
-    ``estimated``."""
+    on the model, ``EarlyExitModel.measurements``, and on disk, ``fastdecode/plan/cost_store.py``, keyed also
+    by its dtypes, attention and library versions, ``_store_key``), or ``estimated``."""
     if source not in SOURCES:
         raise unknown_name_error("cost model source", source, list(SOURCES), "(decoder.costs)")
     if source == "estimated":
         return estimate_costs(m)
     engine, batch = m.engine, cost_batch(batch)
-    key = ("costs", None if engine is None else engine.options, torch.get_num_threads(), str(m.device), batch)
+    options = None if engine is None else engine.options
+    key = ("costs", options, torch.get_num_threads(), str(m.device), str(m.dtype), batch)
     found = m.measurements.get(key)
     if found is not None:
         return found
     # compiled layer ranges build one graph per T: probe only the lengths drafts use most
     probes = [t for t in PROBE_TOKENS if t <= 8] if engine and engine.options.compile else PROBE_TOKENS
     fingerprint, store_key = weights_fingerprint(m.hf), _store_key(m, probes, batch)
-    stored = load_measured(fingerprint, m.device, store_key)
-    if stored is not None:
-        found = CostModel(**{k: tuple(v) if isinstance(v, list) else v for k, v in stored.items()})
-    else:
+    found = load_measured(fingerprint, m.device, store_key, lambda v: stored_costs(v, m, probes, batch))
+    if found is None:
         started = time.perf_counter()
         found = measure_costs(m, probes, batch=batch)
         log.info(

@@ -3,14 +3,15 @@
 - ``tokenizer_fingerprint``: sha256 over the vocabulary, so two tokenizers with the same hash map every token
   to the same id, whatever path they were loaded from.
 - ``model_identity``: the id a manifest stores for a ``ModelConfig`` (hub id / path, or the random-init seed).
-- ``weights_fingerprint``: sha256 over every parameter's name, shape and an evenly spaced sample of its values
-  rounded to bf16 (so an fp32 and a bf16 load of the same weights agree; any fine-tune changes it). Cheap:
-  at most ``SAMPLE`` values per tensor are read.
+- ``weights_fingerprint``: sha256 over every parameter's name, shape and a sample of its values rounded to
+  bf16 (an fp32 and a bf16 load of the same weights agree; any fine-tune changes it); ``SAMPLE`` values read.
+- ``load_identity``: what that leaves out and a timing depends on: dtypes, attention, library versions.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 from typing import Any
 
@@ -55,3 +56,22 @@ def weights_fingerprint(model: torch.nn.Module, full: bool = False) -> str:
         values = flat.float().to(torch.bfloat16).cpu().contiguous().view(torch.int16)
         digest.update(values.numpy().tobytes())
     return digest.hexdigest()
+
+
+def package_version(name: str) -> str:
+    """The installed version of the distribution ``name`` (``unknown`` when it is not installed)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def load_identity(model: torch.nn.Module) -> str:
+    """What a timing of ``model`` depends on besides its weights (``weights_fingerprint`` rounds them to bf16,
+    so an fp32 and a bf16 load share it), the machine and the engine: its parameters' dtypes, its attention
+    implementation (Hugging Face's ``config._attn_implementation``) and the torch, transformers and
+    fastdecode versions. One string, ``dtype=bfloat16|attn=sdpa|torch=...,transformers=...,fastdecode=...``."""
+    dtypes = "+".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}))
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    versions = ",".join(f"{name}={package_version(name)}" for name in ("torch", "transformers", "fastdecode"))
+    return f"dtype={dtypes}|attn={attn}|{versions}"

@@ -17,12 +17,13 @@ from fastdecode.config import ConfigError
 from fastdecode.decoding.config import DecodeConfig
 from fastdecode.decoding.kinds import Offer, PlanInputs, ProposerKind, Setup
 from fastdecode.drafters.eagle3.files import CONFIG_FILE, WEIGHTS_FILE, load_eagle3, read_eagle3_config
-from fastdecode.drafters.eagle3.model import FEATURES, Eagle3Config, Eagle3Head
+from fastdecode.drafters.eagle3.model import FEATURES, Eagle3Config, Eagle3Head, check_aux_layer_ids
 from fastdecode.drafters.eagle3.options import Eagle3Options
 from fastdecode.drafters.eagle3.proposer import Eagle3Proposer, HeadRows
 from fastdecode.files.file_cache import FileCache
 from fastdecode.plan.acceptance import read_record
-from fastdecode.plan.cost import PROBE_CONTEXT, CostModel, block_parameters, timed
+from fastdecode.plan.cost import PROBE_CONTEXT, CostModel, block_parameters, plain_step, timed
+from fastdecode.plan.timing import Timer, interleaved_minima
 from fastdecode.runtime.model import EarlyExitModel
 
 NAME = "eagle3"
@@ -45,19 +46,19 @@ def check_head(cfg: Eagle3Config, m: EarlyExitModel, path: str) -> None:
                 f"{where} is an EAGLE-3 head for a target of {what} {head}, but this model has {model}: "
                 "give a head trained for this model."
             )
-    if max(cfg.aux_layer_ids) > m.num_layers:
-        raise ConfigError(
-            f"{where} reads the target's hidden states {cfg.aux_layer_ids}, but this model has "
-            f"{m.num_layers} layers (ids 0..{m.num_layers}): give a head trained for this model."
-        )
+    try:
+        check_aux_layer_ids(cfg.aux_layer_ids, m.num_layers)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}; give a head trained for this model.") from err
 
 
 def check(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=None) -> None:
     """A head directory is named and fits the model (read from its config, before any weights load)."""
     if cfg.drafter is None:
         raise ConfigError(
-            "decoder 'eagle3' needs decoder.drafter: the directory of an EAGLE-3 head trained for this model "
-            "(fastdecode.drafters.eagle3.files.save_eagle3, or a speculators / SpecForge checkpoint)."
+            "decoder 'eagle3' needs decoder.drafter=PATH (Python: from_pretrained(..., drafter=PATH) or "
+            "generate(..., drafter=PATH)): the directory of an EAGLE-3 head trained for this model (`python "
+            "train.py recipe=eagle3` writes one to <run>/final), or a speculators / SpecForge checkpoint."
         )
     if Eagle3Options.of(cfg).tree and cfg.chain:
         raise ConfigError(
@@ -83,10 +84,12 @@ def load_head(path: str, m: EarlyExitModel) -> Eagle3Head:
 
 def head_token_cost(costs: CostModel, m: EarlyExitModel, head: Eagle3Head) -> float:
     """One drafted token (a head forward, its draft-vocabulary softmax and argmax), in plain decoding steps:
-    timed on the model with a measured cost model (``measure_head``), else by weights read: the layer and
-    ``fc`` as blocks of the target, the ``lm_head`` as the target's head over the draft vocabulary's rows."""
-    if costs.source == "measured" and costs.step_seconds:
-        return measure_head(m, head, batch=costs.batch) / costs.step_seconds
+    with a measured cost model, timed on the model against a plain step timed in the same measurement
+    (``measure_head``; never over ``costs.step_seconds``, which another session may have timed), else by
+    weights read: the layer and ``fc`` as blocks of the target, the ``lm_head`` as the target's head over the
+    draft vocabulary's rows."""
+    if costs.source == "measured":
+        return measure_head(m, head, batch=costs.batch)
     layer = sum(p.numel() for name, p in head.named_parameters() if not name.startswith("lm_head"))
     return costs.draft_token(
         0, head_rows=head.config.draft_vocab_size, extra_blocks=layer / block_parameters(m)
@@ -95,12 +98,19 @@ def head_token_cost(costs: CostModel, m: EarlyExitModel, head: Eagle3Head) -> fl
 
 @torch.inference_mode()
 def measure_head(
-    m: EarlyExitModel, head: Eagle3Head, *, batch: int = 1, repeats: int = HEAD_REPEATS
+    m: EarlyExitModel,
+    head: Eagle3Head,
+    *,
+    batch: int = 1,
+    repeats: int = HEAD_REPEATS,
+    timer: Timer | None = None,
 ) -> float:
-    """Seconds of one drafted token as ``Eagle3Proposer`` drafts it: a row added to ``HeadRows`` (the head
-    run as the model's engine runs linears) attending to ``PROBE_CONTEXT`` earlier rows, then its argmax over
-    the draft vocabulary mapped to a target id; the least of ``repeats`` timings after an untimed one. Kept
-    on the model per head shape, dtype, batch, thread count, device and engine (the weights' values do not
+    """One drafted token as ``Eagle3Proposer`` drafts it, in plain decoding steps of the target: a row added
+    to ``HeadRows`` (the head run as the model's engine runs linears) attending to ``PROBE_CONTEXT`` earlier
+    rows, then its argmax over the draft vocabulary mapped to a target id, over the target's plain step of
+    ``batch`` rows (``plain_step``), both timed here, interleaved (``interleaved_minima``: the least of
+    ``repeats`` rounds after an untimed one), so the ratio compares timings of one session. Kept on the model
+    per head shape, dtype, batch, thread count, device, model dtype and engine (the weights' values do not
     change it)."""
     cfg, engine = head.config, m.engine
     key = (
@@ -110,7 +120,8 @@ def measure_head(
         batch,
         torch.get_num_threads(),
         str(m.device),
-        engine.options.build_key if engine is not None else None,
+        str(m.dtype),
+        engine.options if engine is not None else None,
     )
     if key not in m.measurements:
         device, dtype, context = m.device, head.fc.weight.dtype, PROBE_CONTEXT
@@ -126,8 +137,9 @@ def measure_head(
             rows.crop(context)
             head.draft_to_target(logits[:, -1].argmax(-1))
 
-        seconds = [timed(("eagle3_draft",), draft, device) for _ in range(repeats + 1)]
-        m.measurements[key] = min(seconds[1:])
+        probes = {("eagle3_draft",): draft, ("step",): plain_step(m, batch=batch)}
+        found = interleaved_minima(probes, device, repeats, timer or timed)
+        m.measurements[key] = found[("eagle3_draft",)] / found[("step",)]
     return m.measurements[key]
 
 
