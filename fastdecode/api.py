@@ -10,7 +10,9 @@ It owns ``FastDecoder`` (a model with its checkpoint's defaults and the plan ``a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -149,8 +151,23 @@ def from_pretrained(
     )
 
 
+def _one_call_at_a_time(method: Callable) -> Callable:
+    """``method`` of a ``FastDecoder`` holds its model's lock (``EarlyExitModel.lock``, one per HF model) for
+    the whole call: threads calling ``generate`` on one decoder, or on decoders sharing a model, take turns,
+    so the engine a call selects, the plan cache, the books carried across calls and the tokenizer stay its
+    own."""
+
+    @functools.wraps(method)
+    def call(self: FastDecoder, *args: Any, **kwargs: Any) -> Any:
+        with self.m.lock:
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class FastDecoder:
-    """A model, its tokenizer and its checkpoint's decoding defaults; ``generate`` is the one call."""
+    """A model, its tokenizer and its checkpoint's decoding defaults; ``generate`` is the one call
+    (thread-safe: calls on one model are serialised, ``_one_call_at_a_time``)."""
 
     def __init__(
         self,
@@ -181,6 +198,7 @@ class FastDecoder:
         self._plans: dict[tuple, Plan] = {}
         self._books: dict[str, Books] = {}  # per planned candidate: its chain judge's books (auto only)
 
+    @_one_call_at_a_time
     def plan(self, batch: int = 1, **engine: Any) -> Plan:
         """The lossless decoders the cost model expects to pay on this model with what its checkpoint records
         (``fastdecode.plan.choose.plan_decoding``), for batches of ``batch`` rows on the execution engine that
@@ -200,6 +218,7 @@ class FastDecoder:
             )
         return self._plans[key]
 
+    @_one_call_at_a_time
     def generate(
         self,
         inputs: str | list[str] | list[int] | list[list[int]] | torch.Tensor | dict,
@@ -217,28 +236,34 @@ class FastDecoder:
         plan's first candidate for this batch size, run with exactly the options it was priced with
         (``plan``; a chain's judge keeps its books across calls, ``decoding/chain.py``: a fallback that does
         not pay on this workload stops costing trial rounds), or ``self_speculative`` when ``options`` name an
-        exit or an adapter. ``options``:
-        ``DecodeConfig`` fields or their HF aliases (given ones override the plan's). ``chat``: render texts
-        through the chat template (None: when the tokenizer has one). ``streamer``: an HF-style streamer
-        (``put(ids)``, ``end()``), batch 1 only. ``corpus``: a suffix index file (``fastdecode-suffix-index``)
-        for ``method="suffix"`` (or a chain with suffix decoding first: ``chain=True, suffix={"first": True}``;
-        ``auto`` drafts by suffix decoding over it where it would draft by prompt lookup), checked against this
-        model's tokenizer first."""
+        exit or an adapter. ``options``: ``DecodeConfig`` fields or their HF aliases, the aliases renamed
+        first (``num_assistant_tokens=5`` is ``draft_tokens=5``); given ones override the plan's and the
+        checkpoint's defaults, an option group given as a mapping key by key (``suffix={"global_size": 0}``
+        keeps the plan's other suffix options; an options object, ``SuffixOptions(...)``, states every field
+        and replaces the group). ``chat``: render texts through the chat template (None: when the tokenizer
+        has one). ``streamer``: an HF-style streamer (``put(ids)``, ``end()``), batch 1 only. ``corpus``: a
+        suffix index file (``fastdecode-suffix-index``) for ``method="suffix"`` (or a chain with suffix
+        decoding first: ``chain=True, suffix={"first": True}``; ``auto`` drafts by suffix decoding over it
+        where it would draft by prompt lookup), checked against this model's tokenizer first, as is a corpus
+        named by ``suffix={"corpus": PATH}``."""
         if corpus is not None:  # a foreign or damaged file fails here, before any work
             self._check_corpus(corpus)
         prompts, single = self._prompts(inputs, chat)
-        candidate = None
-        if method == AUTO and not {"exit_layer", "assistant_early_exit", "adapter"} & set(options):
+        options, candidate = _renamed(options), None  # aliases first: what the plan's options are merged with
+        if method == AUTO and not {"exit_layer", "adapter"} & set(options):
             engine = {k: v for k, v in options.items() if k not in PLAN_OWNED and k in ENGINE_FIELDS}
             engine |= {"drafter": options["drafter"]} if options.get("drafter") else {}
             candidate = self.plan(len(prompts), **engine).best
             candidate = with_corpus(candidate, str(corpus)) if corpus is not None else candidate
-            method, options = candidate.method, candidate.options | options
+            method, options = candidate.method, _merged(candidate.options, options)
         elif method == AUTO:  # an exit or adapter given by hand: draft there
             method = "self_speculative"
         if corpus is not None:
             options = self._with_corpus(method, corpus, options)
         cfg = self.config(method, max_new_tokens=max_new_tokens, defaults=candidate is None, **options)
+        named = cfg.groups.get("suffix")  # a corpus named by the options (suffix={"corpus": PATH}) too
+        if corpus is None and named is not None and getattr(named, "corpus", None) is not None:
+            self._check_corpus(named.corpus)
         if streamer is not None and len(prompts) > 1:
             raise ConfigError(f"streamer= streams one row; got a batch of {len(prompts)}: pass one prompt.")
         decoder = get_decoder(method)
@@ -274,15 +299,10 @@ class FastDecoder:
 
     def config(self, method: str, *, defaults: bool = True, **options: Any) -> DecodeConfig:
         """The ``DecodeConfig`` of ``method``: the options (HF aliases renamed) over the checkpoint's
-        defaults for that method (``defaults=False``: none, as ``auto`` runs a candidate), EOS from the
-        tokenizer; a misspelt option names the closest field."""
+        defaults for that method (``_merged``; ``defaults=False``: none, as ``auto`` runs a candidate), EOS
+        from the tokenizer; a misspelt option names the closest field."""
         get_decoder(method)  # an unknown method lists the choices before anything else
-        given = {}
-        for key, value in options.items():
-            name = ALIASES.get(key, key)
-            if name in given:
-                raise ConfigError(f"generate(): {key} and {name} are the same option; pass one of them.")
-            given[name] = SCHEDULES.get(value, value) if key == "num_assistant_tokens_schedule" else value
+        given = _renamed(options)
         if method == "skipdecode" and self.trained_skip is not None:  # refused here, before any decoding
             given["skip"] = trained_options(
                 self.trained_skip,
@@ -295,7 +315,7 @@ class FastDecoder:
         node = node | {"eos_token_id": sorted(eos_ids(self.model, self.tokenizer))}
         if "adapter" in node and "exit_layer" in given:  # an explicit E drafts at that exit, raw
             node = {k: v for k, v in node.items() if k not in ("adapter", "draft_vocab")}
-        cfg = to_dataclass(DecodeConfig, node | given, "generate()")
+        cfg = to_dataclass(DecodeConfig, _merged(node, given), "generate()")
         if method == "self_speculative" and cfg.exit_layer is None and cfg.adapter is None:
             raise ConfigError(
                 "self_speculative needs an exit layer and this model records none: pass exit_layer=E (or "
@@ -318,6 +338,35 @@ class FastDecoder:
             )
             return self.tokenizer(rendered, add_special_tokens=False).input_ids
         return self.tokenizer(text).input_ids
+
+
+def _renamed(options: dict) -> dict:
+    """``options`` with each HF alias renamed to its ``DecodeConfig`` field (``ALIASES``; the schedules of
+    ``num_assistant_tokens_schedule`` too); an option given under both names is refused."""
+    given: dict[str, Any] = {}
+    typed: dict[str, str] = {}  # field -> the name the caller used
+    for key, value in options.items():
+        name = ALIASES.get(key, key)
+        if name in given:
+            raise ConfigError(f"generate(): {typed[name]} and {key} are the same option; pass one of them.")
+        if key == "num_assistant_tokens_schedule" and isinstance(value, str):
+            value = SCHEDULES.get(value, value)
+        given[name], typed[name] = value, key
+    return given
+
+
+def _merged(base: dict, given: dict) -> dict:
+    """``given`` over ``base`` (a plan's options, a checkpoint's defaults): a value replaces base's, except an
+    option group given as a mapping, which is merged key by key into base's group (a mapping or an options
+    object), so ``suffix={"global_size": 0}`` keeps the ``first`` and ``corpus`` a plan set. An options
+    object given (``SuffixOptions(...)``) states every field: it replaces the group."""
+    out = dict(base)
+    for key, value in given.items():
+        under = out.get(key)
+        if dataclasses.is_dataclass(under) and not isinstance(under, type):
+            under = dataclasses.asdict(under)
+        out[key] = {**under, **value} if isinstance(value, Mapping) and isinstance(under, Mapping) else value
+    return out
 
 
 def _checkpoint_defaults(directory: Path | None, adapter: str | None, recommended: int | None) -> dict:

@@ -7,7 +7,9 @@ is its package and one line in ``KINDS`` (docs/ARCHITECTURE.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
@@ -65,12 +67,30 @@ FIRST_STAGES.update(
     }
 )
 
+
+def locked(decoder: Decoder) -> Decoder:
+    """``decoder`` holding its models' locks for the whole call (``runtime.model_lock``; a draft model's too,
+    taken in one order): calls on one model from several threads run one at a time, each as it would alone."""
+
+    @functools.wraps(decoder)
+    def call(
+        m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft: EarlyExitModel | None = None
+    ):
+        locks = {id(x.lock): x.lock for x in (m, draft) if x is not None}
+        with contextlib.ExitStack() as held:
+            for _, lock in sorted(locks.items()):
+                held.enter_context(lock)
+            return decoder(m, prompts, cfg, draft)
+
+    return call
+
+
 # Every decoding strategy by name: the ones that are not speculation, then each proposer kind.
 DECODERS: dict[str, Decoder] = {
-    "autoregressive": autoregressive.generate,
-    "skipdecode": skipdecode.generate,
-    "jacobi": jacobi.generate,
-    **{name: kind.generate for name, kind in PROPOSERS.items()},
+    "autoregressive": locked(autoregressive.generate),
+    "skipdecode": locked(skipdecode.generate),
+    "jacobi": locked(jacobi.generate),
+    **{name: locked(kind.generate) for name, kind in PROPOSERS.items()},
 }
 
 
@@ -85,7 +105,7 @@ def get_decoder(name: str) -> Decoder:
     if isinstance(name, str) and name in DECODERS:
         return DECODERS[name]
     if isinstance(name, str) and name in PROPOSERS:  # a kind registered after import
-        return PROPOSERS[name].generate
+        return locked(PROPOSERS[name].generate)
     raise unknown_name_error("decoder", str(name), decoder_names(), "(fastdecode.registry)")
 
 

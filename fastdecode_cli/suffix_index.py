@@ -74,7 +74,17 @@ def read_texts(path: Path) -> list[str]:
                 f"{[k for k in EVAL_FIELDS if k in record]}): build the corpus from training answers."
             )
         texts.append(text)
+    if not any(texts):  # nothing to draft from: refused before the tokenizer loads or anything is written
+        refuse_empty(path, len(texts))
     return texts
+
+
+def refuse_empty(path: Path, records: int, why: str = "") -> None:
+    """An input whose responses give the index no token: a corpus that drafts nothing is a mistake."""
+    raise ConfigError(
+        f"input={str(path)!r} has no non-empty response ({records} records{why}): a corpus of no text drafts "
+        "nothing; give the jsonl of the model's answers (fastdecode-regenerate). Nothing was written."
+    )
 
 
 def check_job(job: SuffixIndexJob) -> tuple[Path, Path]:
@@ -107,11 +117,14 @@ def run(cfg: Any) -> dict:
         job.model, None if job.model.source == "random" else model_load_path(job.model)
     )
     eos = [tokenizer.eos_token_id] if job.append_eos and tokenizer.eos_token_id is not None else []
-    index = SuffixIndex(job.max_depth)
+    index, spoken = SuffixIndex(job.max_depth), 0  # spoken: responses that give a token besides EOS
     for i, text in enumerate(texts):
-        ids = tokenizer(text, add_special_tokens=False).input_ids + eos
-        if ids:
-            index.add(i, ids)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        spoken += bool(ids)
+        if ids + eos:
+            index.add(i, ids + eos)
+    if not spoken:
+        refuse_empty(source, len(texts), ", none of them a token once tokenized")
     save_index(out, index, fingerprint=corpus_fingerprint(tokenizer))
     state_tokens = sum(len(t) for t in index.tokens.values())
     return {

@@ -55,7 +55,8 @@ ENGINE_RULE = (
     "`runtime.cache` imports only `config`; `runtime.fast_linear` nothing from fastdecode; `runtime.engine` "
     "only `config` and `runtime.fast_linear`; `runtime.families` only `config`; `runtime.exit_blocks` only "
     "`config`, `runtime.cache` and `runtime.families`; `runtime.engine_build` only `runtime.engine`, "
-    "`runtime.fast_linear` and `runtime.families`; `runtime.model` only `config` and those six (the engine)."
+    "`runtime.fast_linear` and `runtime.families`; `runtime.model` only `config`, `runtime.model_lock` and those "
+    "six (the engine)."
 )
 ENGINE = ("runtime.cache", "runtime.engine", "runtime.fast_linear", "runtime.families", "runtime.exit_blocks")
 # The model seam: the only modules that touch Hugging Face model internals (docs/ARCHITECTURE.md).
@@ -87,7 +88,7 @@ RULES = [
             "runtime.families": ("config",),
             "runtime.exit_blocks": ("config", "runtime.cache", "runtime.families"),
             "runtime.engine_build": ("runtime.engine", "runtime.fast_linear", "runtime.families"),
-            "runtime.model": ("config", "runtime.engine_build", *ENGINE),
+            "runtime.model": ("config", "runtime.model_lock", "runtime.engine_build", *ENGINE),
         }.items()
     ),
     Rule(

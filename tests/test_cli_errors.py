@@ -197,3 +197,16 @@ def test_train_cost_reports_its_subprocess_errors(tmp_path, capsys):
     out = _run("train_cost", ["--model", "tiny-llama", "--kinds", "plain,layerskp"], tmp_path)
     assert out.returncode == USER_ERROR_EXIT and len(_lines(out.stderr)) == 1, out.stderr
     assert "Unknown step kind 'layerskp'. Did you mean 'layerskip'?" in out.stderr
+
+
+def test_a_corpus_of_empty_answers_is_refused_in_one_line_and_nothing_is_written(tmp_path):
+    """``fastdecode-suffix-index`` over answers that are all empty (was: exit 0, "0 sequences", a file that
+    drafts nothing): one line naming the input and why, exit 2, before the tokenizer loads; no file."""
+    source, output = tmp_path / "answers.jsonl", tmp_path / "corpus.sfx"
+    source.write_text('{"prompt": "q", "response": ""}\n\n{"text": ""}\n')
+    out = _run("suffix_index", ["model=tiny-llama", f"input={source}", f"output={output}"], tmp_path)
+    lines = _lines(out.stderr)
+    assert out.returncode == USER_ERROR_EXIT and len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"error: input={str(source)!r} has no non-empty response (2 records")
+    assert "Traceback" not in out.stderr + out.stdout and not output.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["answers.jsonl"]

@@ -13,6 +13,7 @@ import torch
 
 import fastdecode
 from fastdecode.config import ConfigError
+from fastdecode.drafters.suffix.options import SuffixOptions
 from fastdecode.files.checkpoint_info import write_sidecar
 from fastdecode.files.draft_vocab_file import save_draft_vocab
 from fastdecode.registry import DECODERS
@@ -134,6 +135,49 @@ def test_hf_aliases_and_misspelt_options(fd):
         fd.config("self_speculative", max_new_tokens=4)  # no checkpoint: no E to fall back on
     with pytest.raises(ConfigError, match="Unknown decoder 'self_spec'"):
         fd.config("self_spec", max_new_tokens=4)
+
+
+def test_hf_aliases_under_auto_are_the_fields_they_name():
+    """``auto`` merges the plan's options with the caller's: the aliases are renamed first, so an alias is the
+    field it names (was: "same option", the plan's ``draft_tokens`` against ``num_assistant_tokens``), and
+    overrides the plan's value as the field does."""
+    fd = fastdecode.from_pretrained("tiny-llama")
+    prompts = ["Hello there", "Hi"]
+    pairs = [
+        ({"num_assistant_tokens": 5}, {"draft_tokens": 5}),
+        ({"num_assistant_tokens_schedule": "heuristic_transient"}, {"policy": "heuristic"}),
+    ]
+    for alias, field in pairs:
+        by_alias = fd.generate(prompts, max_new_tokens=8, **alias)
+        by_field = fd.generate(prompts, max_new_tokens=8, **field)
+        assert by_alias.candidate is by_field.candidate and by_alias.method == by_field.method
+        assert by_alias.config == by_field.config and by_alias.ids == by_field.ids
+        (name, value), planned = next(iter(field.items())), by_field.candidate.options
+        assert getattr(by_alias.config, name) == value != planned[name]  # the caller's value, not the plan's
+    with pytest.raises(ConfigError, match="draft_tokens and num_assistant_tokens are the same option"):
+        fd.generate(prompts, max_new_tokens=8, draft_tokens=5, num_assistant_tokens=5)
+
+
+def test_a_given_option_group_is_merged_into_the_checkpoints_defaults_key_by_key():
+    """A checkpoint default that is an option group keeps the keys the call does not give."""
+    model, tokenizer = tiny_model("tiny-llama")
+    fd = fastdecode.FastDecoder(model, tokenizer)
+    fd.defaults["suffix"] = {"suffix": {"max_depth": 8, "global_size": 16}}
+    suffix = fd.config("suffix", max_new_tokens=4, suffix={"global_size": 0}).groups["suffix"]
+    assert (suffix.max_depth, suffix.global_size) == (8, 0)
+    fd.defaults["suffix"] = {"suffix": SuffixOptions(max_depth=8)}  # an options object as the default
+    assert fd.config("suffix", max_new_tokens=4, suffix={"min_match": 2}).groups["suffix"] == SuffixOptions(
+        max_depth=8, min_match=2
+    )
+    whole = fd.config("suffix", max_new_tokens=4, suffix=SuffixOptions(min_match=2)).groups["suffix"]
+    assert whole == SuffixOptions(min_match=2)  # an options object given states every field
+
+
+def test_eagle3_without_a_head_names_the_python_argument(fd):
+    with pytest.raises(ConfigError, match=r"generate\(\.\.\., drafter=PATH\)") as caught:
+        fd.generate("hi", max_new_tokens=2, method="eagle3")
+    assert "from_pretrained(..., drafter=PATH)" in str(caught.value)
+    assert "fastdecode.drafters" not in str(caught.value)  # no module path a user cannot run
 
 
 class _Streamer:

@@ -122,6 +122,88 @@ def test_auto_with_a_corpus_drafts_by_suffix_decoding_where_it_would_by_lookup(t
     assert fd.generate("one two", max_new_tokens=10, chat=False).candidate.name == "prompt_lookup"
 
 
+def planned_chain(tmp_path):
+    """tiny-llama saved with a record of high acceptance at exit 3: ``auto`` plans prompt lookup, else that
+    exit (a chain), so with a corpus its plan is a chain with suffix decoding first."""
+    model, tokenizer = tiny_model("tiny-llama")
+    final = tmp_path / "final"
+    model.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    entry = {"drafter": "exit", "exit_layer": 3, "acceptance": 0.99}
+    record = {"format": 1, "measured_on": "test", "tokens": 100, "drafters": [entry]}
+    (final / "acceptance.json").write_text(json.dumps(record))
+    return fastdecode.from_pretrained(str(final), device="cpu", dtype="float32")
+
+
+def test_a_given_suffix_group_is_merged_into_the_plans_key_by_key(tmp_path):
+    """``generate(corpus=PATH, suffix={"global_size": 0})`` under ``auto`` keeps what the plan set in its
+    suffix group (``first``, ``corpus``): was replaced wholesale, then refused as a corpus without a suffix
+    method."""
+    fd = planned_chain(tmp_path)
+    built = build(tmp_path, [{"prompt": "q", "response": "one two three one two three one two three"}])
+    expected = fd.generate("one two", method="autoregressive", max_new_tokens=10, chat=False)
+    out = fd.generate(
+        "one two", corpus=built["output"], suffix={"global_size": 0}, max_new_tokens=10, chat=False
+    )
+    assert out.candidate.name == "suffix+exit" and out.method == "self_speculative" and out.config.chain
+    options = SuffixOptions.of(out.config)
+    assert (options.first, options.corpus, options.global_size) == (True, built["output"], 0)
+    assert out.ids == expected.ids
+    lookup = fastdecode.from_pretrained("tiny-llama")  # plans prompt lookup: suffix decoding alone
+    out = lookup.generate("one two", corpus=built["output"], suffix={"min_match": 2}, max_new_tokens=10)
+    options = SuffixOptions.of(out.config)
+    assert (out.method, options.corpus, options.min_match) == ("suffix", built["output"], 2)
+
+
+def test_a_corpus_of_another_tokenizer_is_refused_wherever_the_tokenizer_is_known(tmp_path):
+    """A file whose fingerprint is another tokenizer's of the same size (its ids fit the model): the API
+    compares it with the model's tokenizer however the corpus is named (was: ``suffix={"corpus": PATH}``
+    compared the file's fingerprint with itself); a decoder called without a tokenizer checks the
+    vocabulary size only, and says so."""
+    from fastdecode.drafters.suffix.index import SuffixIndex
+    from fastdecode.drafters.suffix.index_file import save_index
+
+    fd = fastdecode.from_pretrained("tiny-llama")
+    ours = corpus_fingerprint(fd.tokenizer)
+    index = SuffixIndex(8)
+    index.add(0, fd.tokenizer("one two three one two three", add_special_tokens=False).input_ids)
+    other = str(save_index(tmp_path / "other.sfx", index, fingerprint=ours | {"vocab_hash": "another"}))
+    for options in (
+        {"method": "suffix", "suffix": {"corpus": other}},
+        {
+            "method": "self_speculative",
+            "exit_layer": 2,
+            "chain": True,
+            "suffix": {"first": True, "corpus": other},
+        },
+        {"method": "suffix", "corpus": other},
+        {"corpus": other},
+    ):
+        with pytest.raises(SuffixIndexFingerprintError, match="another tokenizer") as caught:
+            fd.generate("one two", max_new_tokens=4, chat=False, **options)
+        assert "fastdecode-suffix-index command" in str(caught.value), options
+    with pytest.raises(SuffixIndexFingerprintError, match="another tokenizer"):
+        corpus_index(other, fd.m, fingerprint=ours)
+    assert corpus_index(other, fd.m) is not None  # no tokenizer known: the vocabulary size only
+    assert "only the vocabulary size is checked" in " ".join(corpus_index.__doc__.split())
+
+
+def test_a_missing_corpus_says_to_build_it_with_the_command(tmp_path):
+    fd = fastdecode.from_pretrained("tiny-llama")
+    with pytest.raises(NotASuffixIndexError, match="cannot read it") as caught:
+        fd.generate("one two", corpus=str(tmp_path / "none.sfx"), max_new_tokens=4)
+    message = str(caught.value)
+    assert "the fastdecode-suffix-index command (fastdecode-suffix-index model=" in message
+    assert "fastdecode.drafters" not in message and "save_index" not in message
+
+
+def test_answers_that_are_all_empty_are_refused_before_anything_is_written(tmp_path):
+    for records in ([{"prompt": "q", "response": ""}, {"text": ""}], []):
+        with pytest.raises(ConfigError, match=r"answers\.jsonl' has no non-empty response"):
+            build(tmp_path, records)
+        assert not (tmp_path / "corpus.sfx").exists()
+
+
 def test_the_benchmark_never_drafts_a_prompt_its_own_answer(tmp_path, monkeypatch):
     """Two repeats after a warm-up, with a corpus: every suffix call's global index holds no answer of the
     prompts it decodes (it would without the resets: the warm-up and the first repeat answer them), and the

@@ -150,16 +150,17 @@ def test_sampling_stays_lossless(tree):
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"max_depth": 1}, "decoder.suffix.max_depth=1"),
-        ({"min_match": 0}, "decoder.suffix.min_match=0"),
+        ({"max_depth": 1}, r"decoder.suffix.max_depth=1 \(Python: suffix={'max_depth': 1}\)"),
+        ({"min_match": 0}, r"decoder.suffix.min_match=0 \(Python: suffix={'min_match': 0}\)"),
         ({"min_match": 64}, "decoder.suffix.min_match=64"),
         ({"min_prob": 1.5}, "decoder.suffix.min_prob=1.5"),
-        ({"global_size": -1}, "decoder.suffix.global_size=-1"),
-        ({"eos": "never"}, "suffix eos"),
-        ({"corpus": ""}, "decoder.suffix.corpus"),
+        ({"global_size": -1}, r"decoder.suffix.global_size=-1 \(Python: suffix={'global_size': -1}\)"),
+        ({"eos": "never"}, r"suffix eos.*Python: suffix={'eos'"),
+        ({"corpus": ""}, r"decoder.suffix.corpus='' \(Python: suffix={'corpus': ''}\)"),
     ],
 )
 def test_bad_options_are_refused_by_name(options, match):
+    """Each names the option as a config sets it and as ``generate`` takes it (``suffix={...}``)."""
     with pytest.raises(ConfigError, match=match):
         to_dataclass(DecodeConfig, {"max_new_tokens": 4, "suffix": options}, "test")
 

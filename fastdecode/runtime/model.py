@@ -3,8 +3,8 @@
 Everything else sees a model as four operations: ``embed``, ``run_layers`` (layers ``[start, end)``),
 ``exit_logits`` (final norm and the shared LM head, at any exit) and ``new_cache``. HF decoder layers are
 called directly; nothing in transformers is patched. For decoding, ``use_engine`` switches the operations to
-the execution engine (``fastdecode/runtime/engine.py``) while gradients are disabled. The seam's four
-modules and the engine: docs/design/runtime.md.
+the execution engine (``fastdecode/runtime/engine.py``) while gradients are disabled; ``lock`` serialises
+the calls on one HF model (``model_lock``). The seam's four modules and the engine: docs/design/runtime.md.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from fastdecode.runtime.engine import Engine, EngineOptions, rms_norm, rotary_fa
 from fastdecode.runtime.engine_build import build_engine, lean_range, lean_supported
 from fastdecode.runtime.exit_blocks import exit_block
 from fastdecode.runtime.families import family_of, kv_geometry, submodule
+from fastdecode.runtime.model_lock import model_lock
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 MAX_COMPILED_STEPS = 32  # compiled layer ranges serve up to this many new tokens (prefills run eagerly)
@@ -41,6 +42,7 @@ class EarlyExitModel:
             )
         self.hf = model
         self.family = family
+        self.lock = model_lock(model)  # held by a whole call (``FastDecoder.generate``) and by ``use_engine``
         backbone = submodule(model, family.backbone)
         self._embed_tokens = submodule(backbone, family.embed_tokens)
         self.layers: nn.ModuleList = submodule(backbone, family.layers)
@@ -125,17 +127,19 @@ class EarlyExitModel:
 
         Engines are built once per set of layer options and kept; one whose packed weights went stale (a
         parameter modified in place since) is rebuilt. The engine runs only while gradients are disabled.
+        Takes ``lock``: a switch waits for a call another thread holds it for (``FastDecoder.generate``).
         """
-        if options is None:
-            self._engine = None
-            return None
-        key = (*options.build_key, torch.get_num_threads())  # kernel plans are measured per thread count
-        engine = self._engines.get(key)
-        if engine is None or engine.stale():
-            engine = self._engines[key] = self._build_engine(options)
-        engine.options = options
-        self._engine = engine
-        return engine
+        with self.lock:
+            if options is None:
+                self._engine = None
+                return None
+            key = (*options.build_key, torch.get_num_threads())  # kernel plans are measured per thread count
+            engine = self._engines.get(key)
+            if engine is None or engine.stale():
+                engine = self._engines[key] = self._build_engine(options)
+            engine.options = options
+            self._engine = engine
+            return engine
 
     def _running_engine(self) -> Engine | None:
         """The engine, while gradients are off; rebuilt first if a parameter changed since it was built."""

@@ -3,19 +3,33 @@ substring of at most ``max_depth`` tokens of some token sequences, each node cou
 
 So the continuations of a text's longest matching suffix come with frequencies. ``SuffixIndex`` adds,
 extends and removes sequences incrementally, matches a context, drafts a chain or a best-first tree that
-never goes past a stop (EOS) token, and gives its state as flat lists for its file (``index_file.py``).
-Design notes: docs/design/drafters.md.
+never goes past a stop (EOS) token, and gives its state as flat lists for its file (``index_file.py``); its
+``lock`` makes each of those one step for threads sharing it. Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 EOS_MODES = ("before", "after")
+
+
+def locked(method: Callable) -> Callable:
+    """``method`` of a ``SuffixIndex`` under its ``lock``: reads expand nodes and memoise rankings, so a read
+    is a write too, and an index shared by threads (the global one, a corpus) is used one step at a time."""
+
+    @functools.wraps(method)
+    def call(self: SuffixIndex, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return call
 
 
 class SuffixNode:
@@ -49,24 +63,30 @@ class SuffixDraft:
 
 class SuffixIndex:
     """A bounded-depth suffix trie with counts over token sequences, added, extended and removed
-    incrementally; ``max_sequences``: keep at most that many (the oldest added is evicted first; None: no
-    bound). ``stop``: the EOS ids, never drafted past; ``eos="before"`` (the default, as prompt lookup's): a
-    stop token is never proposed, ``"after"``: it is proposed and ends its branch."""
+    incrementally; ``max_sequences``, ``max_tokens``: keep at most that many sequences, tokens (checked as a
+    sequence is added: the oldest added are evicted first, a sequence longer than ``max_tokens`` too; None:
+    no bound). ``stop``: the EOS ids, never drafted past; ``eos="before"`` (the default, as prompt lookup's):
+    a stop token is never proposed, ``"after"``: it is proposed and ends its branch. Thread-safe
+    (``locked``)."""
 
     def __init__(
         self,
         max_depth: int = 64,
         *,
         max_sequences: int | None = None,
+        max_tokens: int | None = None,
         stop: Iterable[int] = (),
         eos: str = "before",
     ) -> None:
-        if max_depth < 1 or (max_sequences is not None and max_sequences < 1) or eos not in EOS_MODES:
+        bounds = (max_sequences, max_tokens)
+        if max_depth < 1 or any(b is not None and b < 1 for b in bounds) or eos not in EOS_MODES:
             raise ValueError(
-                f"max_depth={max_depth}, max_sequences={max_sequences}, eos={eos!r}: need max_depth >= 1, "
-                f"max_sequences >= 1 or None, eos one of {EOS_MODES}"
+                f"max_depth={max_depth}, max_sequences={max_sequences}, max_tokens={max_tokens}, "
+                f"eos={eos!r}: need max_depth >= 1, max_sequences and max_tokens >= 1 or None, eos one of "
+                f"{EOS_MODES}"
             )
-        self.max_depth, self.max_sequences = max_depth, max_sequences
+        self.max_depth, self.max_sequences, self.max_tokens = max_depth, max_sequences, max_tokens
+        self.lock = threading.RLock()
         self.stop, self.before = frozenset(int(t) for t in stop), eos == "before"
         self.root = SuffixNode(0)
         self.root.count = 0
@@ -80,17 +100,28 @@ class SuffixIndex:
     def __len__(self) -> int:
         return len(self.keys)
 
+    @property
+    def size(self) -> int:
+        """The tokens indexed (every sequence's)."""
+        return self.root.count
+
+    @locked
     def add(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
-        """Index a new sequence ``tokens`` [T] under ``seq_id``; past ``max_sequences``, evict the oldest."""
+        """Index a new sequence ``tokens`` [T] under ``seq_id``; past ``max_sequences`` or ``max_tokens``,
+        evict the oldest."""
         if seq_id in self.keys:
             raise ValueError(f"sequence {seq_id!r} is already indexed: extend or remove it")
         key = self.keys[seq_id] = self.next_key
         self.next_key += 1
         self.tokens[key], self.frontiers[key] = [], []
         self.extend(seq_id, tokens)
-        while self.max_sequences is not None and len(self.keys) > self.max_sequences:
+        sequences, most = self.max_sequences, self.max_tokens
+        while self.keys and (
+            (sequences is not None and len(self.keys) > sequences) or (most is not None and self.size > most)
+        ):
             self.remove(next(iter(self.keys)))
 
+    @locked
     def extend(self, seq_id: Hashable, new_tokens: Sequence[int]) -> None:
         """Append ``new_tokens`` [K] to the sequence ``seq_id`` and index the substrings they end."""
         key = self.keys[seq_id]
@@ -134,8 +165,10 @@ class SuffixIndex:
                 node.children[tokens[end]] = SuffixNode(node.depth + 1, (key, end + 1))
         return node.children
 
+    @locked
     def remove(self, seq_id: Hashable) -> None:
-        """Remove the sequence ``seq_id`` and its counts (eviction); every other count stays as it was."""
+        """Remove the sequence ``seq_id`` and its counts (eviction); every other count stays as it was. The
+        memos of the nodes whose children it changes go too: a stale one would keep removed nodes alive."""
         key = self.keys.pop(seq_id)
         tokens = self.tokens[key]
         self.version += 1
@@ -143,6 +176,7 @@ class SuffixIndex:
         for start in range(len(tokens)):
             node = self.root
             for token in tokens[start : start + self.max_depth]:
+                node.order = None  # its ranking holds the child below, which may go now
                 child = node.children[token]  # on our path: expanded unless count 1
                 child.count -= 1
                 if child.count == 0:
@@ -151,6 +185,7 @@ class SuffixIndex:
                 node = child
         del self.tokens[key], self.frontiers[key]
 
+    @locked
     def find(self, pattern: Sequence[int]) -> SuffixNode | None:
         """The node of ``pattern`` (at most ``max_depth`` tokens), None if it does not occur."""
         node: SuffixNode | None = self.root
@@ -160,6 +195,7 @@ class SuffixIndex:
                 return None
         return node
 
+    @locked
     def match(self, context: Sequence[int], *, max_length: int | None = None) -> tuple[int, SuffixNode]:
         """``(length, node)`` of the longest suffix of ``context`` (at most ``max_length`` tokens, default
         ``max_depth - 1``) that occurs with at least one continuation; ``(0, root)`` if none does.
@@ -176,11 +212,13 @@ class SuffixIndex:
                 hi = mid - 1
         return found
 
+    @locked
     def continuations(self, node: SuffixNode) -> list[tuple[int, int]]:
         """``[(token, count)]`` of the tokens that followed ``node``'s path, most frequent first, ties by
         token id; stop tokens included."""
         return [(t, c.count) for t, c in self.ranked(node)]
 
+    @locked
     def ranked(self, node: SuffixNode) -> list[tuple[int, SuffixNode]]:
         """``node``'s children as ``(token, child)``, most frequent first, ties by token id (not to be mutated).
 
@@ -193,6 +231,7 @@ class SuffixIndex:
         node.order = (self.version, found)
         return found
 
+    @locked
     def draft_chain(self, context: Sequence[int], max_tokens: int, min_prob: float = 0.0) -> SuffixDraft:
         """From the longest match of ``context``, follow the most frequent child while the product of the
         ratios stays >= ``min_prob``, at most ``max_tokens`` tokens; a stop token ends it (``eos``)."""
@@ -216,6 +255,7 @@ class SuffixIndex:
             node = child
         return draft
 
+    @locked
     def draft_tree(self, context: Sequence[int], max_nodes: int, min_prob: float = 0.0) -> SuffixDraft:
         """Greedy best-first tree from the longest match of ``context``: repeatedly take the candidate (a
         child of the root or of a taken node) with the highest score (product of the ratios from the root),
@@ -251,6 +291,7 @@ class SuffixIndex:
             if score * prob >= min_prob and not (token in self.stop and self.before):
                 heapq.heappush(heap, (-score * prob, next(order), token, index, prob, child))
 
+    @locked
     def state(self) -> dict[str, list[Any]]:
         """What the index holds, as flat lists (for ``index_file``): ``ids`` [S] (oldest first),
         ``lengths`` [S], ``tokens`` [sum(lengths)] (the sequences one after another), and the nodes below the

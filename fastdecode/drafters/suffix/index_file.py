@@ -24,7 +24,9 @@ from fastdecode.files.io import atomic_path
 FORMAT = "fastdecode-suffix-index"
 VERSION = 1
 COLUMNS = ("lengths", "tokens", "parent", "token", "count", "ref_seq", "ref_end")
-REBUILD = "rebuild it with fastdecode.drafters.suffix.index_file.save_index from its corpus"
+# How a user builds a corpus file (fastdecode_cli/suffix_index.py), named by every error below
+COMMAND = "the fastdecode-suffix-index command (fastdecode-suffix-index model=MODEL input=ANSWERS.jsonl output=PATH)"
+REBUILD = f"rebuild it with {COMMAND}"
 
 
 class SuffixIndexError(UserError):
@@ -92,7 +94,9 @@ def read_header(path: Path) -> tuple[dict[str, Any], bytes]:
     try:
         data = path.read_bytes()
     except OSError as err:
-        raise NotASuffixIndexError(f"suffix index {str(path)!r}: cannot read it ({err}); {REBUILD}.") from err
+        raise NotASuffixIndexError(
+            f"suffix index {str(path)!r}: cannot read it ({err}); build or rebuild it with {COMMAND}."
+        ) from err
     line, _, body = data.partition(b"\n")
     try:
         header = json.loads(line)
@@ -112,12 +116,32 @@ def read_header(path: Path) -> tuple[dict[str, Any], bytes]:
     return header, body
 
 
+def check_fingerprint(path: Path, found: Any, fingerprint: Any) -> None:
+    """Refuse a file whose recorded fingerprint ``found`` is not ``fingerprint`` (the tokenizer the caller's
+    token ids come from)."""
+    if canonical(found) != canonical(fingerprint):
+        raise SuffixIndexFingerprintError(
+            f"suffix index {str(path)!r} was built for another tokenizer (fingerprint {found!r}, not "
+            f"{canonical(fingerprint)!r}): its token ids mean other text. Rebuild it with this model's tokenizer "
+            f"and {COMMAND}, or give the index built for it."
+        )
+
+
 def load_index(
     path: str | os.PathLike, *, fingerprint: Any, stop: Iterable[int] = (), eos: str = "before"
 ) -> SuffixIndex:
     """The index saved at ``path``, checked whole (format, version, length, checksum) and against
     ``fingerprint`` (the tokenizer the caller's token ids come from); ``stop``/``eos``: as ``SuffixIndex``."""
     path = Path(path)
+    header, body = whole_file(path)
+    check_fingerprint(path, header["fingerprint"], fingerprint)
+    return index_of(path, header, body, stop=stop, eos=eos)
+
+
+def whole_file(path: Path) -> tuple[dict[str, Any], bytes]:
+    """``(header, body)`` of a file of our format and version whose length and checksum match; its
+    fingerprint is not checked here (``check_fingerprint``: ``load_index``, or a caller that compares it on
+    every use of a cached index)."""
     header, body = read_header(path)
     problem = None
     if len(body) != header.get("body_bytes"):
@@ -128,12 +152,13 @@ def load_index(
         problem = "its checksum does not match its content"
     if problem:
         raise SuffixIndexDamagedError(f"suffix index {str(path)!r} is damaged ({problem}); {REBUILD}.")
-    if header["fingerprint"] != canonical(fingerprint):
-        raise SuffixIndexFingerprintError(
-            f"suffix index {str(path)!r} was built for another tokenizer (fingerprint {header['fingerprint']!r}, "
-            f"not {canonical(fingerprint)!r}): its token ids mean other text. Rebuild it from the corpus with "
-            "this model's tokenizer, or give the index built for it."
-        )
+    return header, body
+
+
+def index_of(
+    path: Path, header: dict[str, Any], body: bytes, *, stop: Iterable[int] = (), eos: str = "before"
+) -> SuffixIndex:
+    """The index a ``whole_file`` describes; ``stop``/``eos``: as ``SuffixIndex``."""
     arrays = np.frombuffer(body, dtype="<i8")
     sizes = [header["sequences"], header["tokens"]] + [header["nodes"]] * 5
     state: dict[str, list[Any]] = {"ids": header["ids"]}

@@ -9,6 +9,7 @@ token tree with ``decoder.suffix.tree=true``, cut with a cost-aware policy at th
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from fastdecode.decoding.chain import CARRY, FirstStage
@@ -34,16 +35,19 @@ def bin_of(source: str, match: int, ratio: float) -> tuple[str, int, int]:
 
 
 class Calibration:
-    """Acceptance of a drafted node given its parent was accepted, per bin (``bin_of``), over a prior."""
+    """Acceptance of a drafted node given its parent was accepted, per bin (``bin_of``), over a prior. Shared
+    by the calls on a model (``sources.carried``): ``lock`` guards its updates."""
 
     def __init__(self) -> None:
         self.counts: dict[tuple[str, int, int], list[float]] = {}
+        self.lock = threading.Lock()
 
     def carried(self) -> Calibration:
         """These counts as a new call starts from them, each weighted by ``CARRY`` (in place): what earlier
         calls of the process learnt, fading as this call's own evidence arrives."""
-        for tally in self.counts.values():
-            tally[0], tally[1] = CARRY * tally[0], CARRY * tally[1]
+        with self.lock:
+            for tally in self.counts.values():
+                tally[0], tally[1] = CARRY * tally[0], CARRY * tally[1]
         return self
 
     def ratio(self, source: str, match: int, ratio: float) -> float:
@@ -75,11 +79,12 @@ class Calibration:
             zip(draft.probs, draft.parents, row_depths(draft.parents), strict=True)
         ):
             if parent in accepted:
-                tally = self.counts.setdefault(
-                    bin_of(source, draft.match_length + depth - 1, prob), [0.0, 0.0]
-                )
-                tally[0] += i in accepted
-                tally[1] += 1
+                with self.lock:
+                    tally = self.counts.setdefault(
+                        bin_of(source, draft.match_length + depth - 1, prob), [0.0, 0.0]
+                    )
+                    tally[0] += i in accepted
+                    tally[1] += 1
 
 
 @dataclass

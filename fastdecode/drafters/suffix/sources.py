@@ -3,9 +3,9 @@ index over earlier outputs, and a corpus index read from a file.
 
 The global index holds this process's earlier ``suffix`` outputs per model, index shape and ``global_scope``
 (``global_index``, ``remember``, ``reset_global_index``); ``carried`` keeps per-model state that calls carry
-on (the calibration). A corpus index is loaded once per file version and checked against the model's
-vocabulary and, when given, the tokenizer's fingerprint (``corpus_index``). Design notes:
-docs/design/drafters.md.
+on (the calibration). A corpus index is loaded once per file version and checked on every use against the
+model's vocabulary and, where the caller knows the tokenizer (the API, the benchmark), its fingerprint
+(``corpus_index``). Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from fastdecode.drafters.suffix.index import SuffixIndex
 from fastdecode.drafters.suffix.index_file import (
+    COMMAND,
     SuffixIndexFingerprintError,
-    canonical,
-    load_index,
+    check_fingerprint,
+    index_of,
     read_header,
+    whole_file,
 )
 from fastdecode.files.file_cache import FileCache
 from fastdecode.runtime.identity import tokenizer_fingerprint
@@ -60,16 +62,18 @@ def corpus_fingerprint(tokenizer: Any) -> dict:
 
 
 def global_index(m: EarlyExitModel, options: SuffixOptions, stop: Iterable[int]) -> SuffixIndex | None:
-    """The global index of ``m`` for these options (created empty), None with ``global_size=0``."""
+    """The global index of ``m`` for these options (created empty; at most ``global_size`` outputs and
+    ``global_tokens`` tokens), None with ``global_size=0``. Shared by threads: its own lock guards it."""
     if options.global_size == 0:
         return None
     stop = frozenset(int(t) for t in stop)
-    key = (_SCOPE.get(), options.max_depth, options.global_size, stop, options.eos)
+    size, tokens = options.global_size, options.global_tokens
+    key = (_SCOPE.get(), options.max_depth, size, tokens, stop, options.eos)
     with _LOCK:
         indexes = _GLOBAL.setdefault(m.hf, {})
         if key not in indexes:
             indexes[key] = SuffixIndex(
-                options.max_depth, max_sequences=options.global_size, stop=stop, eos=options.eos
+                options.max_depth, max_sequences=size, max_tokens=tokens, stop=stop, eos=options.eos
             )
         return indexes[key]
 
@@ -77,11 +81,12 @@ def global_index(m: EarlyExitModel, options: SuffixOptions, stop: Iterable[int])
 def remember(
     m: EarlyExitModel, options: SuffixOptions, stop: Iterable[int], outputs: list[list[int]]
 ) -> None:
-    """Add each row's ``outputs`` (a finished call's new tokens) to the global index of ``m``."""
+    """Add each row's ``outputs`` (a finished call's new tokens) to the global index of ``m`` (at once, under
+    the index's lock)."""
     index = global_index(m, options, stop)
     if index is None:
         return
-    with _LOCK:
+    with index.lock:
         for tokens in outputs:
             if tokens:
                 index.add(next(_IDS), tokens)
@@ -112,8 +117,10 @@ def global_sizes() -> dict[int, int]:
 
 
 def _load(path: Path, stop: frozenset[int], eos: str) -> tuple[Any, SuffixIndex, int]:
-    header, _ = read_header(path)  # a foreign or other-version file fails here, by name
-    index = load_index(path, fingerprint=header.get("fingerprint"), stop=stop, eos=eos)
+    """(the fingerprint the file records, its index, its largest token id); the fingerprint is compared by
+    ``corpus_index`` on every use, not here (the cached index serves callers with and without a tokenizer)."""
+    header, body = whole_file(path)  # a foreign, other-version or damaged file fails here, by name
+    index = index_of(path, header, body, stop=stop, eos=eos)
     largest = max((max(tokens) for tokens in index.tokens.values() if tokens), default=-1)
     return header.get("fingerprint"), index, largest
 
@@ -134,25 +141,25 @@ def corpus_index(
     eos: str = "before",
     fingerprint: dict | None = None,
 ) -> SuffixIndex:
-    """The corpus index in the file ``path``, loaded once per file version, checked against ``m``'s
-    vocabulary and, when given, the ``fingerprint`` (``corpus_fingerprint``) of the tokenizer decoding uses.
-    A damaged, foreign or other-version file raises its ``SuffixIndexError`` subclass."""
+    """The corpus index in the file ``path``, loaded once per file version, checked on every call against
+    ``m``'s vocabulary (its size, and the file's token ids below it) and against ``fingerprint``
+    (``corpus_fingerprint`` of the tokenizer decoding uses), whenever the caller knows that tokenizer: the API
+    and the benchmark pass it. Without one (a decoder called with a ``DecodeConfig``, which knows the model
+    only) only the vocabulary size is checked: a file built by another tokenizer of the same size passes.
+    A damaged, foreign or other-version file raises its ``SuffixIndexError`` subclass. The index is shared by
+    every model and thread that reads the file: its own lock guards it (``SuffixIndex.lock``)."""
     path = Path(path)
     stop = frozenset(int(t) for t in stop)
     if not path.is_file():
         read_header(path)  # raises NotASuffixIndexError, which says how to build one
     found, index, largest = _CORPUS.get([path], lambda: _load(path, stop, eos), key=(stop, eos))
-    where = f"decoder.suffix.corpus={str(path)!r}"
     size = found.get("vocab_size") if isinstance(found, dict) else None
     if not isinstance(size, int) or size > m.vocab_size or largest >= m.vocab_size:
         raise SuffixIndexFingerprintError(
-            f"{where} was built for another vocabulary (fingerprint {found!r}, token ids up to {largest}) "
-            f"than this model's {m.vocab_size} ids: rebuild it with fastdecode-suffix-index and this model's "
-            "tokenizer."
+            f"suffix index {str(path)!r} was built for another vocabulary (fingerprint {found!r}, token ids up "
+            f"to {largest}) than this model's {m.vocab_size} ids: rebuild it with this model's tokenizer and "
+            f"{COMMAND}."
         )
-    if fingerprint is not None and canonical(found) != canonical(fingerprint):
-        raise SuffixIndexFingerprintError(
-            f"{where} was built for another tokenizer (fingerprint {found!r}, not {fingerprint!r}): its token "
-            "ids mean other text. Rebuild it with fastdecode-suffix-index and this model's tokenizer."
-        )
+    if fingerprint is not None:
+        check_fingerprint(path, found, fingerprint)
     return index
