@@ -144,7 +144,7 @@ def test_a_retired_draft_model_stops_running(monkeypatch):
 def test_every_planned_kind_is_a_chainable_or_standalone_decoder():
     """The registry: every kind is a decoder of its name; the ones ``auto`` chains can follow the lookup."""
     for name, kind in PROPOSERS.items():
-        assert DECODERS[name] == kind.generate and kind.name == name
+        assert DECODERS[name].__wrapped__ == kind.generate and kind.name == name  # held under the model lock
     assert {n for n, k in PROPOSERS.items() if k.chainable} == {"self_speculative", "assisted", "eagle3"}
     with pytest.raises(Exception, match="cannot follow prompt lookup"):
         DECODERS["prompt_lookup"](
