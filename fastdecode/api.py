@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
 from fastdecode.decoding.chain import Books, carrying
 from fastdecode.decoding.common import configure_engine, streaming
-from fastdecode.decoding.config import DecodeConfig, DecodeOutput
+from fastdecode.decoding.config import DecodeConfig, DecodeOutput, merged_options
 from fastdecode.drafters.exits.adapter import CHECKPOINT_DIR, META_FILE
 from fastdecode.files.assets import is_local_path
 from fastdecode.files.checkpoint_info import checkpoint_label, recommended_exit
@@ -255,7 +255,7 @@ class FastDecoder:
             engine |= {"drafter": options["drafter"]} if options.get("drafter") else {}
             candidate = self.plan(len(prompts), **engine).best
             candidate = with_corpus(candidate, str(corpus)) if corpus is not None else candidate
-            method, options = candidate.method, _merged(candidate.options, options)
+            method, options = candidate.method, merged_options(candidate.options, options)
         elif method == AUTO:  # an exit or adapter given by hand: draft there
             method = "self_speculative"
         if corpus is not None:
@@ -289,17 +289,17 @@ class FastDecoder:
     def _with_corpus(self, method: str, corpus: str, options: dict) -> dict:
         """``options`` with ``decoder.suffix.corpus`` (``method="suffix"``, or a chain with suffix decoding first;
         ``auto`` plans one, ``choose.with_corpus``)."""
-        suffix = corpus_options(options, corpus)["suffix"]
-        if method != "suffix" and not suffix.get("first"):  # a chain with suffix decoding first reads it too
+        read = corpus_options(options, corpus)
+        if method != "suffix" and not read["suffix"].get("first"):  # a suffix-first chain reads it too
             raise ConfigError(
                 f"corpus= is suffix decoding's: pass method='suffix', or chain=True with "
                 f"suffix={{'first': True}} (got method={method!r})."
             )
-        return options | {"suffix": suffix}
+        return read
 
     def config(self, method: str, *, defaults: bool = True, **options: Any) -> DecodeConfig:
         """The ``DecodeConfig`` of ``method``: the options (HF aliases renamed) over the checkpoint's
-        defaults for that method (``_merged``; ``defaults=False``: none, as ``auto`` runs a candidate), EOS
+        defaults for that method (``merged_options``; ``defaults=False``: none, as ``auto`` runs a candidate), EOS
         from the tokenizer; a misspelt option names the closest field."""
         get_decoder(method)  # an unknown method lists the choices before anything else
         given = _renamed(options)
@@ -315,7 +315,7 @@ class FastDecoder:
         node = node | {"eos_token_id": sorted(eos_ids(self.model, self.tokenizer))}
         if "adapter" in node and "exit_layer" in given:  # an explicit E drafts at that exit, raw
             node = {k: v for k, v in node.items() if k not in ("adapter", "draft_vocab")}
-        cfg = to_dataclass(DecodeConfig, _merged(node, given), "generate()")
+        cfg = to_dataclass(DecodeConfig, merged_options(node, given), "generate()")
         if method == "self_speculative" and cfg.exit_layer is None and cfg.adapter is None:
             raise ConfigError(
                 "self_speculative needs an exit layer and this model records none: pass exit_layer=E (or "
@@ -353,20 +353,6 @@ def _renamed(options: dict) -> dict:
             value = SCHEDULES.get(value, value)
         given[name], typed[name] = value, key
     return given
-
-
-def _merged(base: dict, given: dict) -> dict:
-    """``given`` over ``base`` (a plan's options, a checkpoint's defaults): a value replaces base's, except an
-    option group given as a mapping, which is merged key by key into base's group (a mapping or an options
-    object), so ``suffix={"global_size": 0}`` keeps the ``first`` and ``corpus`` a plan set. An options
-    object given (``SuffixOptions(...)``) states every field: it replaces the group."""
-    out = dict(base)
-    for key, value in given.items():
-        under = out.get(key)
-        if dataclasses.is_dataclass(under) and not isinstance(under, type):
-            under = dataclasses.asdict(under)
-        out[key] = {**under, **value} if isinstance(value, Mapping) and isinstance(under, Mapping) else value
-    return out
 
 
 def _checkpoint_defaults(directory: Path | None, adapter: str | None, recommended: int | None) -> dict:

@@ -8,7 +8,6 @@ is its package and one line in ``KINDS`` (docs/ARCHITECTURE.md).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any, Protocol
 
 from fastdecode.config import unknown_name_error
 from fastdecode.decoding import autoregressive, jacobi, skipdecode
-from fastdecode.decoding.config import DecodeConfig, DecodeOutput
+from fastdecode.decoding.config import DecodeConfig, DecodeOutput, merged_options
 from fastdecode.decoding.kinds import DEFAULT_FIRST, FIRST_STAGES, PROPOSERS, FirstStageKind, Setup
 from fastdecode.drafters.draft_model import kind as draft_model
 from fastdecode.drafters.eagle3 import kind as eagle3
@@ -137,9 +136,7 @@ def load_corpus(corpus: str | Path, m: EarlyExitModel, fingerprint: dict) -> Non
 
 def corpus_options(options: dict, corpus: str | Path) -> dict:
     """``options`` (a method's ``DecodeConfig`` fields) with ``decoder.suffix.corpus`` set to ``corpus``."""
-    given = options.get("suffix") or {}
-    given = dataclasses.asdict(given) if dataclasses.is_dataclass(given) else dict(given)
-    return options | {"suffix": given | {"corpus": str(corpus)}}
+    return merged_options(options, {"suffix": {"corpus": str(corpus)}})
 
 
 def forget_earlier_calls() -> None:

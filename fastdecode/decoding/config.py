@@ -7,7 +7,8 @@ its package, registered by its group name when the class is defined and carried 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from typing import Any, ClassVar, TypeVar
 
 from fastdecode.config import ConfigError, to_dataclass, unknown_name_error
@@ -54,6 +55,20 @@ def typed_groups(groups: Any) -> dict[str, DrafterOptions]:
             raise unknown_name_error("decoder option group", name, list(OPTION_GROUPS), f"(decoder.{name})")
         typed[name] = to_dataclass(OPTION_GROUPS[name], value, f"decoder.{name}")
     return typed
+
+
+def merged_options(base: dict, given: dict) -> dict:
+    """``given`` over ``base`` (``DecodeConfig`` fields and option groups: a plan's, a checkpoint's defaults):
+    a value replaces base's, except an option group given as a mapping, merged key by key into base's group
+    (a mapping or an options object), so ``suffix={"global_size": 0}`` keeps the ``first`` and ``corpus`` a
+    plan set. An options object given (``SuffixOptions(...)``) states every field: it replaces the group."""
+    out = dict(base)
+    for key, value in given.items():
+        under = out.get(key)
+        if is_dataclass(under) and not isinstance(under, type):
+            under = asdict(under)
+        out[key] = {**under, **value} if isinstance(value, Mapping) and isinstance(under, Mapping) else value
+    return out
 
 
 @dataclass
