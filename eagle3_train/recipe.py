@@ -4,7 +4,8 @@ Acceleration of Large Language Models via Training-Time Test").
 ``Eagle3Recipe`` runs the ``recipes.finetune`` sequence with ``Eagle3LM`` under ``Eagle3Trainer``: the
 target's features are the training data, the head is trained with the training-time-test loss, and the
 export is ``final/`` in the speculators dialect with ``final/sglang/``, never the target. Acceptance goes to
-``final/acceptance.json``. The steps are in docs/design/methods.md.
+``final/acceptance.json``; the target's generated training answers to ``final/corpus.sfx`` (a suffix decoding
+corpus ``auto`` reads beside the head). The steps are in docs/design/methods.md.
 """
 
 from __future__ import annotations
@@ -20,18 +21,22 @@ from eagle3_train.config import Eagle3RecipeConfig
 from eagle3_train.module import Eagle3LM, collate_examples, collate_records
 from eagle3_train.report import drafter_record, measure, table_text
 from eagle3_train.trainer import Eagle3Trainer
+from fastdecode.api import DRAFTER_CORPUS
 from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
 from fastdecode.data.chat import IGNORE_INDEX, build_datasets
 from fastdecode.data.config import DataConfig
 from fastdecode.data.draft_vocab import build_draft_vocab
+from fastdecode.data.twins import drop_twins, prompt_keys
 from fastdecode.drafters.eagle3.files import load_eagle3, save_eagle3
 from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head
 from fastdecode.files.distributed import is_main_process
 from fastdecode.plan.acceptance import write_record
+from fastdecode.registry import corpus_fingerprint
 from fastdecode.runtime.identity import weights_fingerprint
 from fastdecode.runtime.machine import machine_label
 from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.tokens import eos_ids
+from fastdecode.training.answers import generated_answers, save_corpus
 from fastdecode.training.features import FeatureDataset, cache_training_features, generation_prompts
 from recipes.common import TrainJob, full_state_dict
 from recipes.finetune import FinetuneRun, Recipe, finetune
@@ -84,6 +89,8 @@ class Eagle3Recipe(Recipe):
         self.reader = None
         self.report_prompts: list[list[int]] = []
         self.figures: dict = {}
+        self.answers: list[dict] = []  # the target's generated training answers (source=generate)
+        self.fingerprint: dict = {}
 
     def prepare(self) -> None:
         if self.job.peft.method != "none":
@@ -126,12 +133,16 @@ class Eagle3Recipe(Recipe):
         rcfg, m = self.rcfg, self.m
         train, held_out = build_datasets(self.job.data, tokenizer)
         if rcfg.report.enabled:
-            self.report_prompts = self._report_prompts(tokenizer, held_out)
+            self.report_prompts = self._report_prompts(tokenizer, held_out, train)
         if rcfg.features.mode == "cache":
             exits = rcfg.cached_exits(m.num_layers)
             self.reader = cache_training_features(
                 m, tokenizer, train, self.feature_dir, rcfg.features, exits=exits, data=self.job.data
             )
+            if rcfg.features.source == "generate":  # the corpus beside the head: these answers, no new ones
+                prompts = generation_prompts(train, tokenizer, rcfg.features.max_prompt_tokens)
+                self.answers = generated_answers(self.reader, prompts, tokenizer)
+                self.fingerprint = corpus_fingerprint(tokenizer)
             train = RecordDataset(self.reader, self.aux)
         self.head = self._build_head(
             draft_vocabulary(train, tokenizer, self.cfg.draft_vocab_size, self.cfg.vocab_size)
@@ -148,10 +159,14 @@ class Eagle3Recipe(Recipe):
                 head.lm_head.weight.copy_(self.m.lm_head.weight[rows].float())
         return head
 
-    def _report_prompts(self, tokenizer, held_out: list[dict]) -> list[list[int]]:
+    def _report_prompts(self, tokenizer, held_out: list[dict], train: list[dict]) -> list[list[int]]:
+        """The report's held-out prompts; another data config's drop those with a twin among the training
+        prompts (``data.twins``; the training data's own held-out split has none)."""
         r = self.rcfg.report
         if r.data is not None:
             held_out = build_datasets(load_group("data", r.data, DataConfig, max_samples=1), tokenizer)[1]
+            trained = prompt_keys(ex.get("prompt") for ex in train)
+            held_out = drop_twins(held_out, trained, lambda ex: ex.get("prompt"))[0]
         found = generation_prompts(held_out, tokenizer, r.max_prompt_tokens)
         return [p["input_ids"] for p in found[: r.prompts]]
 
@@ -228,9 +243,17 @@ class Eagle3Recipe(Recipe):
         return out | {"acceptance": self.figures}
 
     def extra_files(self, run: FinetuneRun) -> dict:
+        """``acceptance.json``, and ``corpus.sfx``: the answers the target generated for the head's training
+        (the training split only), token ids as generated, its prompts' twin keys in the header."""
         if self.figures:
             write_record(run.stage, drafter_record(self.figures, machine_label(run.args.device)))
-        return {}
+        if not self.answers:
+            return {}
+        sequences = [a["response_ids"] for a in self.answers]
+        prompts = [a["prompt"] for a in self.answers]
+        path = run.stage / DRAFTER_CORPUS
+        built = save_corpus(path, sequences, prompts, fingerprint=self.fingerprint)
+        return {"corpus": built | {"path": str(run.out / "final" / DRAFTER_CORPUS)}}
 
 
 def run(job: TrainJob, cfg: Any = None) -> dict:

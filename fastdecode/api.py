@@ -19,16 +19,16 @@ from typing import Any
 import torch
 
 from fastdecode.config import ConfigError, ModelConfig, group_choices, load_group, to_dataclass
-from fastdecode.decoding.chain import Books, carrying
+from fastdecode.decoding.chain import Books, as_run, carrying
 from fastdecode.decoding.common import configure_engine, streaming
 from fastdecode.decoding.config import DecodeConfig, DecodeOutput, merged_options
-from fastdecode.drafters.exits.adapter import CHECKPOINT_DIR, META_FILE
+from fastdecode.drafters.exits.adapter import CHECKPOINT_DIR, INDEX_FILE, META_FILE, resolve_adapter
 from fastdecode.files.assets import is_local_path
 from fastdecode.files.checkpoint_info import checkpoint_label, recommended_exit
 from fastdecode.files.draft_vocab_file import DRAFT_VOCAB_FILE
 from fastdecode.inputs import prompt_ids
 from fastdecode.plan.acceptance import AcceptanceRecord, read_record
-from fastdecode.plan.choose import PLAN_OWNED, Candidate, Plan, plan_decoding, with_corpus
+from fastdecode.plan.choose import PLAN_OWNED, Candidate, Plan, plan_decoding, plan_files, with_corpus
 from fastdecode.plan.cost import cost_batch, cost_model
 from fastdecode.registry import check_drafter, corpus_fingerprint, corpus_options, get_decoder, load_corpus
 from fastdecode.runtime.loading import load_model
@@ -50,6 +50,8 @@ ALIASES = {
 }
 SCHEDULES = {"constant": "constant", "heuristic": "heuristic", "heuristic_transient": "heuristic"}
 AUTO = "auto"  # generate(method=AUTO): the plan's first decoder (fastdecode/plan/choose.py)
+# beside an EAGLE-3 head (recipe=eagle3's final/): a suffix corpus of the answers it was trained on, read by auto
+DRAFTER_CORPUS = "corpus.sfx"
 # DecodeConfig fields that select the execution engine and the cost model: what a plan depends on
 ENGINE_FIELDS = ("fast_layers", "fast_linear", "linear_kernel", "static_cache", "compile", "costs")
 
@@ -86,6 +88,14 @@ class GenerationResult:
     @property
     def layers_per_token(self) -> float:
         return self.output.layers_per_token
+
+    @property
+    def ran(self) -> str:
+        """``auto``'s candidate or the method, and when a chain's fallback retired (``fallback_retired``)."""
+        return as_run(self.candidate.name if self.candidate else self.method, self.output.fallback_retired)
+
+    def __repr__(self) -> str:
+        return f"GenerationResult(ran={self.ran!r}, texts={self.texts!r}, acceptance={self.acceptance})"
 
 
 def _model_config(source: str | ModelConfig, **placement: Any) -> tuple[ModelConfig, Path | None]:
@@ -203,14 +213,16 @@ class FastDecoder:
         """The lossless decoders the cost model expects to pay on this model with what its checkpoint records
         (``fastdecode.plan.choose.plan_decoding``), for batches of ``batch`` rows on the execution engine that
         ``engine`` selects (``DecodeConfig``'s engine fields and ``costs``; default: the device's). One plan
-        per engine, thread count and batch size; the cost model is measured once per machine and kept on
-        disk (``fastdecode/plan/cost_store.py``). ``drafter``: an EAGLE-3 head to plan with (default: the one
-        given at load)."""
+        per engine, thread count, batch size and version of the head's and adapter's files (``plan_files``);
+        the cost model is measured once per machine and kept on disk (``fastdecode/plan/cost_store.py``).
+        ``drafter``: an EAGLE-3 head to plan with (default: the one given at load)."""
         cfg = to_dataclass(DecodeConfig, {"max_new_tokens": 1} | engine, "plan()")
         drafter = cfg.drafter or self.drafter
         configure_engine(self.m, cfg)
         engine_options = None if self.m.engine is None else self.m.engine.options
-        key = (engine_options, torch.get_num_threads(), cost_batch(batch), cfg.costs, drafter)
+        adapter = resolve_adapter(self.adapter) if self.adapter else None  # its record: adapters.json beside
+        files = plan_files(drafter, adapter, adapter and adapter.parent / INDEX_FILE)  # changed: plan again
+        key = (engine_options, torch.get_num_threads(), cost_batch(batch), cfg.costs, drafter, files)
         if key not in self._plans:
             costs = cost_model(self.m, cfg.costs, batch=batch)
             self._plans[key] = plan_decoding(
@@ -244,17 +256,17 @@ class FastDecoder:
         has one). ``streamer``: an HF-style streamer (``put(ids)``, ``end()``), batch 1 only. ``corpus``: a
         suffix index file (``fastdecode-suffix-index``) for ``method="suffix"`` (or a chain with suffix
         decoding first: ``chain=True, suffix={"first": True}``; ``auto`` drafts by suffix decoding over it
-        where it would draft by prompt lookup), checked against this model's tokenizer first, as is a corpus
-        named by ``suffix={"corpus": PATH}``."""
-        if corpus is not None:  # a foreign or damaged file fails here, before any work
-            self._check_corpus(corpus)
+        where it would draft by prompt lookup; without it, over the one beside its head, ``drafter_corpus``),
+        checked against this model's tokenizer first, as is a corpus named by ``suffix={"corpus": PATH}``."""
+        if corpus is not None:  # a foreign, damaged or too large file fails here, before any work
+            self._check_corpus(corpus, options.get("suffix"))
         prompts, single = self._prompts(inputs, chat)
         options, candidate = _renamed(options), None  # aliases first: what the plan's options are merged with
         if method == AUTO and not {"exit_layer", "adapter"} & set(options):
             engine = {k: v for k, v in options.items() if k not in PLAN_OWNED and k in ENGINE_FIELDS}
             engine |= {"drafter": options["drafter"]} if options.get("drafter") else {}
             candidate = self.plan(len(prompts), **engine).best
-            candidate = with_corpus(candidate, str(corpus)) if corpus is not None else candidate
+            candidate = over_corpus(candidate, corpus, engine.get("drafter") or self.drafter)
             method, options = candidate.method, merged_options(candidate.options, options)
         elif method == AUTO:  # an exit or adapter given by hand: draft there
             method = "self_speculative"
@@ -263,7 +275,7 @@ class FastDecoder:
         cfg = self.config(method, max_new_tokens=max_new_tokens, defaults=candidate is None, **options)
         named = cfg.groups.get("suffix")  # a corpus named by the options (suffix={"corpus": PATH}) too
         if corpus is None and named is not None and getattr(named, "corpus", None) is not None:
-            self._check_corpus(named.corpus)
+            self._check_corpus(named.corpus, named)
         if streamer is not None and len(prompts) > 1:
             raise ConfigError(f"streamer= streams one row; got a batch of {len(prompts)}: pass one prompt.")
         decoder = get_decoder(method)
@@ -280,11 +292,12 @@ class FastDecoder:
         texts = [self.tokenizer.decode(row, skip_special_tokens=True) for row in out.tokens]
         return GenerationResult(texts, out.tokens, out, cfg, method, single, candidate)
 
-    def _check_corpus(self, corpus: str) -> None:
-        """The corpus file checked against the model and its tokenizer (loaded once per file version)."""
+    def _check_corpus(self, corpus: str, suffix: Any = None) -> None:
+        """The corpus file checked against the model, its tokenizer and the given ``suffix`` options' size bound
+        (loaded once per file version: decoding drafts from the same load)."""
         if self._fingerprint is None:  # the vocabulary hashed once, not every call
             self._fingerprint = corpus_fingerprint(self.tokenizer)
-        load_corpus(corpus, self.m, self._fingerprint)
+        load_corpus(corpus, self.m, self._fingerprint, suffix)
 
     def _with_corpus(self, method: str, corpus: str, options: dict) -> dict:
         """``options`` with ``decoder.suffix.corpus`` (``method="suffix"``, or a chain with suffix decoding first;
@@ -338,6 +351,20 @@ class FastDecoder:
             )
             return self.tokenizer(rendered, add_special_tokens=False).input_ids
         return self.tokenizer(text).input_ids
+
+
+def drafter_corpus(drafter: str | Path | None) -> Path | None:
+    """The suffix corpus beside an EAGLE-3 head (``<drafter>/corpus.sfx``: ``recipe=eagle3`` writes it from the
+    answers the head was trained on), None when the directory holds none."""
+    path = Path(drafter) / DRAFTER_CORPUS if drafter is not None else None
+    return path if path is not None and path.is_file() else None
+
+
+def over_corpus(candidate: Candidate, corpus: str | None, drafter: str | None) -> Candidate:
+    """``auto``'s ``candidate`` drafting by suffix decoding over ``corpus`` where it drafts by prompt lookup
+    (``choose.with_corpus``); without one, over the corpus beside the EAGLE-3 head ``drafter`` if it has one."""
+    found = corpus if corpus is not None else drafter_corpus(drafter)
+    return with_corpus(candidate, str(found)) if found is not None else candidate
 
 
 def _renamed(options: dict) -> dict:

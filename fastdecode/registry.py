@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from fastdecode.config import unknown_name_error
 from fastdecode.decoding import autoregressive, jacobi, skipdecode
-from fastdecode.decoding.config import DecodeConfig, DecodeOutput, merged_options
+from fastdecode.decoding.config import DecodeConfig, DecodeOutput, merged_options, typed_groups
 from fastdecode.decoding.kinds import DEFAULT_FIRST, FIRST_STAGES, PROPOSERS, FirstStageKind, Setup
 from fastdecode.drafters.draft_model import kind as draft_model
 from fastdecode.drafters.eagle3 import kind as eagle3
@@ -27,7 +27,8 @@ from fastdecode.drafters.lookup.ngram import PromptLookupProposer
 from fastdecode.drafters.lookup.options import LookupOptions
 from fastdecode.drafters.suffix import proposer as suffix
 from fastdecode.drafters.suffix import sources as suffix_sources
-from fastdecode.drafters.suffix.index_file import read_header
+from fastdecode.drafters.suffix.index import SuffixIndex
+from fastdecode.drafters.suffix.index_file import header_of, save_index
 from fastdecode.drafters.suffix.options import SuffixOptions
 from fastdecode.runtime.model import EarlyExitModel
 
@@ -119,8 +120,9 @@ def check_drafter(path: str | Path) -> None:
 
 
 def check_corpus_file(path: str | Path) -> None:
-    """A suffix index file (``corpus=``), its header read: a missing, foreign or other-version file fails."""
-    read_header(Path(path))
+    """A suffix index file (``corpus=``), its header line read alone (not the body, not the tokenizer's
+    fingerprint: ``load_corpus``): a missing, foreign or other-version file fails."""
+    header_of(Path(path))
 
 
 def corpus_fingerprint(tokenizer: Any) -> dict:
@@ -128,10 +130,40 @@ def corpus_fingerprint(tokenizer: Any) -> dict:
     return suffix_sources.corpus_fingerprint(tokenizer)
 
 
-def load_corpus(corpus: str | Path, m: EarlyExitModel, fingerprint: dict) -> None:
-    """A corpus file checked against the model and the tokenizer's ``fingerprint`` (loaded once per file
-    version): a damaged, foreign or other-vocabulary file is refused by name."""
-    suffix_sources.corpus_index(corpus, m, fingerprint=fingerprint)
+def load_corpus(corpus: str | Path, m: EarlyExitModel, fingerprint: dict, suffix: Any = None) -> None:
+    """Load a corpus file for decoding, checked against the model's vocabulary, the tokenizer's
+    ``fingerprint`` (the tokenizer decoding uses) and the size bound of the given ``suffix`` options (a
+    mapping, ``SuffixOptions`` or None: ``max_corpus_bytes``): a damaged, foreign, other-tokenizer or too
+    large file is refused by name, a too large one before it is read. Loaded once per file version: decoding
+    then drafts from that same load, whatever its EOS ids."""
+    bound = typed_groups({"suffix": suffix if suffix is not None else {}})["suffix"].max_corpus_bytes
+    suffix_sources.corpus_index(corpus, m, fingerprint=fingerprint, max_bytes=bound)
+
+
+def named_corpus(options: dict) -> str | None:
+    """The corpus file a method's options (``DecodeConfig`` fields) name in their ``suffix`` group, or None:
+    what a caller that knows the tokenizer checks with ``load_corpus`` before decoding (a decoder knows the
+    model only, so it checks the vocabulary size alone)."""
+    group = options.get("suffix")
+    return None if group is None else typed_groups({"suffix": group})["suffix"].corpus
+
+
+def corpus_prompt_keys(path: str | Path) -> list[str] | None:
+    """The twin-key digests of the prompts a corpus file answers (``data.twins``), None when it records none."""
+    return header_of(Path(path)).get("prompt_keys")
+
+
+def save_corpus(
+    path: str | Path, sequences: list[list[int]], *, fingerprint: dict, prompt_keys: list[str], max_depth: int
+) -> dict:
+    """A corpus file of token-id ``sequences`` (empty ones skipped), written atomically with the tokenizer's
+    ``fingerprint`` and ``prompt_keys`` in its header; returns its counts."""
+    index = SuffixIndex(max_depth)
+    for i, ids in enumerate(sequences):
+        if ids:
+            index.add(i, [int(t) for t in ids])
+    save_index(path, index, fingerprint=fingerprint, prompt_keys=prompt_keys)
+    return {"sequences": len(index), "tokens": sum(len(t) for t in index.tokens.values())}
 
 
 def corpus_options(options: dict, corpus: str | Path) -> dict:
@@ -156,7 +188,10 @@ __all__ = [
     "Decoder",
     "load_corpus",
     "check_corpus_file",
+    "named_corpus",
     "corpus_options",
+    "corpus_prompt_keys",
+    "save_corpus",
     "check_drafter",
     "corpus_fingerprint",
     "decoder_names",

@@ -3,8 +3,9 @@
 ``python -m fastdecode_cli.regenerate [model=smollm2-135m] [data=sharegpt] [num_prompts=256]``
 
 Prompts are the first user turns of the data config's training split; answers are decoded greedily and
-written, resumably, as a ``{"prompt", "response"}`` jsonl that ``data=jsonl`` trains on. With
-``server.url=...`` an OpenAI-compatible server answers instead. Why and how: docs/design/cli.md.
+written, resumably, as a ``{"prompt", "response", "response_ids"}`` jsonl that ``data=jsonl`` trains on and
+``fastdecode-suffix-index`` indexes (the ids as generated). With ``server.url=...`` an OpenAI-compatible server
+answers instead (text only). Why and how: docs/design/cli.md.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def run(cfg: Any) -> dict:
         result = decode(m, [ids for _, ids in batch], dcfg)
         for (user, _), tokens in zip(batch, result.tokens, strict=True):
             answer = tokenizer.decode(tokens, skip_special_tokens=True)
-            lines.append(json.dumps({"prompt": user, "response": answer}))
+            lines.append(json.dumps({"prompt": user, "response": answer, "response_ids": list(tokens)}))
         atomic_write_text(out, "\n".join(lines) + "\n")  # whole file each time: never half-written
         logger.info("regenerate: %d / %d answers", len(lines), len(prompts))
     return {"written": len(lines), "new": len(lines) - start, "output": str(out)}

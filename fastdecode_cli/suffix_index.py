@@ -1,10 +1,10 @@
 """``fastdecode-suffix-index``: build a corpus index for suffix decoding once, e.g.
 ``fastdecode-suffix-index model=smollm2-135m input=data/sharegpt-smollm2-135m.jsonl output=corpus.sfx``.
 
-Reads a jsonl of ``{"prompt", "response"}`` or ``{"text"}`` records, tokenizes each text as decoding
-produces it, and writes the suffix index file (``fastdecode/drafters/suffix/index_file.py``) with the
-tokenizer's fingerprint. Only the tokenizer loads. Evaluation sets are refused. How texts are tokenized,
-EOS and the refusals: docs/design/cli.md.
+Reads a jsonl of ``{"prompt", "response"}`` or ``{"text"}`` records (``response_ids``: token ids used as
+they are), tokenizes each text as decoding produces it, and writes the suffix index file with the tokenizer's
+fingerprint and the prompts' twin keys. Only the tokenizer loads. Evaluation sets are refused. How texts are
+tokenized, EOS and the refusals: docs/design/cli.md.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def evaluation_names() -> set[str]:
     return names
 
 
-def read_texts(path: Path) -> list[str]:
-    """Each record's response (or text), in file order; an evaluation set or a malformed line is refused."""
+def read_texts(path: Path) -> list[dict]:
+    """Each record's ``text`` (its response, or text), ``prompt`` (None without one) and ``ids`` (its
+    ``response_ids``, None without them), in file order; an evaluation set or a malformed line is refused."""
     stem = path.name.lower()
     found = sorted(n for n in evaluation_names() if n and n.lower() in stem)
     if found:
@@ -73,10 +74,37 @@ def read_texts(path: Path) -> list[str]:
                 f"input={str(path)!r} line {number} is an evaluation set's record (it has "
                 f"{[k for k in EVAL_FIELDS if k in record]}): build the corpus from training answers."
             )
-        texts.append(text)
-    if not any(texts):  # nothing to draft from: refused before the tokenizer loads or anything is written
+        texts.append({"text": text, "prompt": record.get("prompt"), "ids": given_ids(path, number, record)})
+    if not any(t["text"] or t["ids"] for t in texts):  # refused before the tokenizer loads or a write
         refuse_empty(path, len(texts))
     return texts
+
+
+def given_ids(path: Path, number: int, record: dict) -> list[int] | None:
+    """A record's ``response_ids`` (the answer's token ids as generated: a feature cache's ``answers.jsonl``),
+    None when it has none; anything but a list of non-negative ints is refused."""
+    ids = record.get("response_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+        raise ConfigError(
+            f"input={str(path)!r} line {number}: response_ids must be a list of token ids (non-negative ints)."
+        )
+    return ids
+
+
+def sequence_ids(tokenizer: Any, record: dict, eos: list[int]) -> list[int]:
+    """The ids a record adds to the index: its ``response_ids`` as given (checked against the vocabulary), or
+    its text tokenized alone; ``eos`` appended unless the sequence already ends with it."""
+    ids = record["ids"]
+    if ids is None:
+        ids = tokenizer(record["text"], add_special_tokens=False).input_ids
+    elif ids and max(ids) >= len(tokenizer):
+        raise ConfigError(
+            f"response_ids hold token id {max(ids)} but the model's tokenizer has {len(tokenizer)} tokens: "
+            "the ids were made by another tokenizer; give the model that generated them (model=...)."
+        )
+    return ids + eos if eos and ids[-1:] != eos else list(ids)
 
 
 def refuse_empty(path: Path, records: int, why: str = "") -> None:
@@ -101,6 +129,7 @@ def check_job(job: SuffixIndexJob) -> tuple[Path, Path]:
 
 def run(cfg: Any) -> dict:
     """Build and write the index ``cfg`` describes; returns what was built."""
+    from fastdecode.data.twins import prompt_digests
     from fastdecode.drafters.suffix.index import SuffixIndex
     from fastdecode.drafters.suffix.index_file import save_index
     from fastdecode.drafters.suffix.sources import corpus_fingerprint
@@ -118,14 +147,15 @@ def run(cfg: Any) -> dict:
     )
     eos = [tokenizer.eos_token_id] if job.append_eos and tokenizer.eos_token_id is not None else []
     index, spoken = SuffixIndex(job.max_depth), 0  # spoken: responses that give a token besides EOS
-    for i, text in enumerate(texts):
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-        spoken += bool(ids)
-        if ids + eos:
-            index.add(i, ids + eos)
+    for i, record in enumerate(texts):
+        ids = sequence_ids(tokenizer, record, eos)
+        spoken += any(t not in eos for t in ids)
+        if ids:
+            index.add(i, ids)
     if not spoken:
         refuse_empty(source, len(texts), ", none of them a token once tokenized")
-    save_index(out, index, fingerprint=corpus_fingerprint(tokenizer))
+    keys = prompt_digests(t["prompt"] for t in texts if isinstance(t["prompt"], str))
+    save_index(out, index, fingerprint=corpus_fingerprint(tokenizer), prompt_keys=keys)
     state_tokens = sum(len(t) for t in index.tokens.values())
     return {
         "output": str(out),
@@ -133,6 +163,7 @@ def run(cfg: Any) -> dict:
         "tokens": state_tokens,
         "nodes": len(index.state()["parent"]),
         "bytes": out.stat().st_size,
+        "prompt_keys": len(keys),
         "seconds": round(time.perf_counter() - start, 2),
     }
 

@@ -31,6 +31,7 @@ from recipes.common import (
     check_deepspeed_batch,
     compare_export,
     export_checkpoint,
+    export_tolerance,
     probe_loss,
     to_device,
     training_arguments,
@@ -305,4 +306,7 @@ def _check_export(recipe: Recipe, run: FinetuneRun, probe: dict, live_loss: floa
     device = next(module.parameters()).device  # the default export is on the CPU, a recipe's may not be
     with torch.no_grad():
         saved = float(module(**to_device(probe, device))["loss"])
-    return compare_export(saved, live_loss, run.model.dtype)
+    # the probe's tokens: the size of its ids or positions
+    ids = [v for v in probe.values() if torch.is_tensor(v) and v.dim() == 2 and not v.is_floating_point()]
+    tokens = max((v.numel() for v in ids), default=0)
+    return compare_export(saved, live_loss, export_tolerance(run.model.dtype, run.model.config, tokens))

@@ -52,7 +52,7 @@ def speed_table(result: dict, plan: Plan) -> list[str]:
         name = f"{c.name} (auto)" if i == 0 else c.name
         lines.append(
             f"| {name} | {c.drafter} | {_cell(c.exit_layer, '{}')} | {_cell(c.acceptance, '{:.2f}')} | "
-            f"{c.expected_speedup:.2f}x | {timed['speedup']:.2f}x | {timed['tokens_per_s']:.1f} |"
+            f"{_cell(c.expected_speedup, '{:.2f}x')} | {timed['speedup']:.2f}x | {timed['tokens_per_s']:.1f} |"
         )
     for item in plan.not_paying:
         expected = _cell(item.get("expected_speedup"), "{:.2f}x")

@@ -45,8 +45,13 @@ def continuations(m: EarlyExitModel, count: int, seed: int, width: int = 8, new:
 def head_config(m: EarlyExitModel, draft_vocab_size: int, **options) -> Eagle3Config:
     """A head for ``m``; norm before the residual (EAGLE-3's paper layer) unless ``options`` say otherwise: it
     learns the tiny models' text in the steps ``train_head`` gives it."""
-    options = {"norm_before_residual": True} | options
+    options = {"norm_before_residual": True, "aux_layer_ids": tiny_aux_layers(m.num_layers)} | options
     return Eagle3Config.from_target(m.config, draft_vocab_size=draft_vocab_size, **options)
+
+
+def tiny_aux_layers(num_layers: int) -> list[int]:
+    """Three feature ids for a tiny target, where the default rule ``[2, L // 2, L - 3]`` repeats ids."""
+    return sorted({1, num_layers // 2, num_layers - 1})
 
 
 def training_sequences(m: EarlyExitModel, seed: int = 0) -> torch.Tensor:
@@ -87,7 +92,8 @@ def head_dir(m: EarlyExitModel, steps: int = 150) -> str:
 def random_head_dir(out: Path, name: str = "tiny-llama") -> str:
     """A random-init head for the tiny model ``name``, saved in ``out/eagle3``: for checks of the files only."""
     config = tiny_model(name)[0].config
-    head = Eagle3Head(Eagle3Config.from_target(config, draft_vocab_size=config.vocab_size))
+    aux = tiny_aux_layers(config.num_hidden_layers)
+    head = Eagle3Head(Eagle3Config.from_target(config, draft_vocab_size=config.vocab_size, aux_layer_ids=aux))
     return str(save_eagle3(head, head.config, out / "eagle3", verifier_name=name))
 
 

@@ -1,8 +1,9 @@
 """Builders shared by several test modules: the tiny models (cached), tiny models with lively weights, draft
 models, random exit adapters, random prompts and examples, synthetic CLLM records, exact target distributions
 and chi-square p-values for the sampling tests, a chat jsonl, a free port, a second EOS id declared in a
-model's generation config. Composed job configs are in
-``tests/job_configs.py``, fake PyPI assets in ``tests/fake_assets.py``."""
+model's generation config; the tolerances two computations of the same values are compared with (rounding
+over the sums they chain: ``kernel_tolerance`` and its model, gradient, linear and EAGLE-3 forms). Composed
+job configs are in ``tests/job_configs.py``, fake PyPI assets in ``tests/fake_assets.py``."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from fastdecode.decoding.config import DecodeConfig
 from fastdecode.drafters.exits.adapter import build_adapter, save_adapter
 from fastdecode.runtime.loading import load_model
 from fastdecode.runtime.model import EarlyExitModel
+from recipes.common import forward_reduction
 
 
 def write_chat_jsonl(path: Path, n: int = 32) -> Path:
@@ -338,3 +340,40 @@ def kernel_tolerance(dtype: torch.dtype, reduction: int, magnitude: float) -> di
     the same bound relative to the values. ``reduction``: the summed lengths of the reductions in the chain."""
     u = torch.finfo(dtype).eps / 2
     return {"atol": reduction * u * magnitude, "rtol": reduction * u}
+
+
+def model_tolerance(config, positions: int, reference: torch.Tensor, extra: int = 0) -> dict[str, float]:
+    """``kernel_tolerance`` for a model's outputs (logits, hidden states, keys) computed two ways: the sums of
+    one forward of the HF ``config`` over ``positions`` (``recipes.common.forward_reduction``) plus ``extra``
+    (a loss's log-softmax and mean), at the size of ``reference``'s largest value."""
+    reduction = forward_reduction(config, positions) + extra
+    return kernel_tolerance(reference.dtype, reduction, float(reference.abs().max()))
+
+
+def gradient_tolerance(config, positions: int, tokens: int, reference: torch.Tensor) -> dict[str, float]:
+    """``kernel_tolerance`` for the gradient of a language-model loss over ``tokens`` scored positions
+    computed two ways: the loss's sums (the forward, the log-softmax over the vocabulary, the mean), the
+    backward through the same sums transposed, and a weight's sum over the tokens; at the size of
+    ``reference``'s largest value (the gradient of the same tensor)."""
+    loss = forward_reduction(config, positions) + config.vocab_size + tokens
+    return kernel_tolerance(reference.dtype, 2 * loss + tokens, float(reference.abs().max()))
+
+
+def linear_tolerance(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> dict[str, float]:
+    """``kernel_tolerance`` for ``F.linear(x, weight, bias)`` computed by two kernels: sums of the in-features
+    (and the bias), of size the largest ``|x| @ |weight|.T + |bias|`` (Higham's ``|x|^T |y|``)."""
+    size = x.abs() @ weight.abs().T + (0 if bias is None else bias.abs())
+    return kernel_tolerance(x.dtype, weight.shape[1] + (bias is not None), float(size.max()))
+
+
+def eagle3_reduction(cfg, keys: int) -> int:
+    """The summed lengths of the sums one step of an EAGLE-3 head (``Eagle3Config`` ``cfg``) chains over
+    ``keys`` attended positions: the fc over the three features (and their norms), the three RMS norms, q and k over the
+    concatenated input, q.k, the softmax and its weighted sum, o_proj, the MLP, the final norm and the head."""
+    hidden, attention = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    norms, qk, mlp = 3 * hidden, 2 * (2 * hidden), 2 * hidden + cfg.intermediate_size
+    layer = norms + qk + cfg.head_dim + 2 * keys + attention + mlp
+    features = (2 if cfg.fc_norm or cfg.norm_before_fc else 1) * 3 * cfg.target_hidden_size  # their norms
+    return features + layer + 2 * hidden

@@ -1,22 +1,29 @@
 """What ``auto`` rests on, each tested where it can fail: the acceptance a checkpoint records is what decoding
 sees (the replay equals self-speculation round for round), the adaptive policy of a chain learns from its
-fallback's rows only, prompt lookup cuts a batch at one width, a retired draft model stops running."""
+fallback's rows only, prompt lookup cuts a batch at one width, a retired draft model stops running, a chain
+runs the settings it was priced at, suffix decoding over a corpus is not priced as prompt lookup, and a result
+says when its chain's fallback was retired."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from fastdecode.api import FastDecoder
+from fastdecode.bench.report import auto_line
 from fastdecode.decoding.chain import Books, ChainProposer, carrying
 from fastdecode.decoding.config import DecodeConfig
+from fastdecode.decoding.kinds import PlanInputs
 from fastdecode.decoding.policies import Adaptive
 from fastdecode.drafters.lookup.ngram import PromptLookupProposer
 from fastdecode.drafters.lookup.options import LookupOptions
-from fastdecode.plan.acceptance import replay_rounds
+from fastdecode.plan.acceptance import AcceptanceRecord, DrafterRecord, replay_rounds
+from fastdecode.plan.choose import LOOKUP_PRIOR, MAX_DRAFT, Plan, plan_decoding, price, ranked, with_corpus
 from fastdecode.plan.cost import CostModel
 from fastdecode.registry import DECODERS, PROPOSERS
 from fastdecode.reports.exits import generation_report
 from fastdecode.runtime.model import EarlyExitModel
+from recipes.speed import speed_table
 from tests.helpers import assisted_target, draft_model, lively_model, random_prompts, tiny_model
 
 autoregressive = DECODERS["autoregressive"]
@@ -173,3 +180,84 @@ def test_a_chains_judge_carries_its_books_across_calls():
     assert rounds[0] >= 8 and all(r < rounds[0] / 2 for r in rounds[1:])
     alone = DECODERS["self_speculative"](m, prompts, cfg)  # no books carried: the whole trial again
     assert alone.by_proposer["exit"][2] == rounds[0]
+
+
+# a GPU-like cost model (memory-bound: a verification costs one step at any width) of a 30-layer model
+GPU = CostModel(30, 1000, (1,), (0.03,), (0.1,), "estimated")
+
+
+def sure_exit(exit_layer: int = 3, acceptance: float = 0.99) -> AcceptanceRecord:
+    """A record whose exit drafts so well on GPU costs that a longer draft always pays more: priced over K up
+    to ``MAX_DRAFT``, its best K is the longest."""
+    return AcceptanceRecord([DrafterRecord("exit", acceptance, exit_layer)])
+
+
+def test_a_planned_chain_runs_the_settings_it_was_priced_at():
+    """The chain is priced with ``LOOKUP_PRIOR`` (measured with the adaptive cut at up to ``limit`` drafts) and
+    its fallback at its best constant K of what the chain may draft: it runs adaptive at up to that same bound,
+    says so, and never drafts past it."""
+    m = lively_model("tiny-llama")
+    record = sure_exit()
+    plan = plan_decoding(m, GPU, record=record)
+    chain, lookup = plan.best, plan.candidates[-1]
+    bound = LOOKUP_PRIOR.limit
+    assert chain.options["chain"] is True and chain.options["policy"] == "adaptive"
+    assert chain.options["draft_tokens"] == bound == lookup.options["draft_tokens"] < MAX_DRAFT
+    (offer,) = PROPOSERS["self_speculative"].offers(PlanInputs(m, GPU, record, None, None))
+    assert price(offer, GPU)[0] == MAX_DRAFT  # unbounded, the fallback would be priced at K=8
+    k, alone = price(offer, GPU, bound)
+    assert chain.draft == k == bound
+    assert chain.expected_speedup == pytest.approx(
+        LOOKUP_PRIOR.speedup(GPU, fallback=alone, ride=offer.ride_cost)
+    )
+    assert f"K={k} of 1..{bound}" in chain.reason and f"up to {bound} drafts" in chain.reason
+    assert f"up to {bound} drafts" in lookup.reason
+    prompts = random_prompts(3, seed=7)
+    cfg = DecodeConfig(max_new_tokens=30, costs="estimated", **chain.options)
+    out = DECODERS[chain.method](m, prompts, cfg)
+    assert out.tokens == autoregressive(m, prompts, DecodeConfig(max_new_tokens=30)).tokens
+    assert out.drafted and max(out.drafted) <= bound
+
+
+def test_suffix_decoding_over_a_corpus_is_not_priced_as_prompt_lookup():
+    """No prior is recorded for suffix decoding over a corpus: ``with_corpus`` leaves its candidates without an
+    expected speedup, says why, ranks them after the priced ones, and every report prints them."""
+    plan = plan_decoding(lively_model("tiny-llama"), GPU, record=sure_exit())
+    found = [with_corpus(c, "c.sfx") for c in plan.candidates]
+    assert [c.name for c in found] == ["suffix+exit", "suffix"]
+    for candidate in found:
+        assert candidate.expected_speedup is None and "no prior is recorded" in candidate.reason
+    priced = plan.candidates[0]
+    order = ranked([found[1], priced, found[0]])  # the priced first; the others as they came
+    assert [c.name for c in order] == ["prompt_lookup+exit", "suffix", "suffix+exit"]
+    corpus = Plan(found, plan.not_paying)
+    line = auto_line({"plan": corpus.to_json(), "summary": []})
+    assert "auto planned suffix+exit (no prior recorded), suffix (no prior recorded)" in line
+    timed = {"speedup": 1.2, "tokens_per_s": 10.0}
+    result = {"autoregressive": {"tokens_per_s": 8.0}, "decoders": {c.name: timed for c in found}}
+    assert "| suffix (auto) | suffix | - | - | - | 1.20x | 10.0 |" in speed_table(
+        result, Plan([found[1]], [])
+    )
+
+
+def test_a_result_says_its_chains_fallback_was_retired_from_the_start():
+    """``auto`` plans an exit its record overstates; the chain's judge retires it in the first call, and the
+    books carried over start the next call with it retired: that result says the first stage ran alone."""
+    m = lively_model("tiny-llama")  # upper layers at full strength: exit 1 rarely agrees with the output
+    fd = FastDecoder(m.hf, tiny_model("tiny-llama")[1], record=sure_exit(1), m=m)
+    prompts = random_prompts(6, seed=53)
+    options = dict(max_new_tokens=24, costs="estimated", lookup={"fallback_trial": 2})
+    ref = fd.generate(prompts, method="autoregressive", max_new_tokens=24).ids
+    first = fd.generate(prompts, **options)
+    assert first.candidate.name == "prompt_lookup+exit" and first.ids == ref
+    assert first.output.fallback_retired >= 1 and first.output.by_proposer["exit"][2] > 0
+    assert (
+        first.ran == f"prompt_lookup+exit, its fallback retired after round {first.output.fallback_retired}"
+    )
+    second = fd.generate(prompts, **options)
+    assert (
+        second.ids == ref and second.output.fallback_retired == 0 and "exit" not in second.output.by_proposer
+    )
+    assert "retired from the start" in second.ran and "retired from the start" in repr(second)
+    plain = fd.generate(prompts, method="prompt_lookup", max_new_tokens=24)
+    assert plain.output.fallback_retired is None and plain.ran == "prompt_lookup"

@@ -86,7 +86,7 @@ def test_cllm_recipe_trains_exports_and_measures(tmp_path, variant):
         f"recipe.max_records={records}",
     ]
     summary = recipes.run(cllm_cfg(tmp_path, *overrides, "trainer.max_steps=2"))
-    assert summary["export_check"]["abs_diff"] < 1e-4  # the saved weights reproduce the live model
+    assert summary["export_check"]["abs_diff"] == 0  # the saved fp32 weights, reloaded: the same forward
     assert summary["trajectories"]["records"] == records
     logs = _history(tmp_path / "run", 2)
     assert len(logs) == 2 and all(h["loss/consistency"] > 0 and h["loss/ar"] > 0 for h in logs)
@@ -196,7 +196,8 @@ def test_lora_adapters_train_merge_and_reload(tmp_path):
             "recipe.report.enabled=false",
         )
     )
-    assert summary["export_check"]["abs_diff"] < 1e-4  # merged weights reproduce the live LoRA model
+    check = summary["export_check"]  # merged weights reproduce the live LoRA model, within rounding
+    assert check["abs_diff"] <= check["tolerance"]
     merged = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
     assert not any("lora" in name for name, _ in merged.named_parameters())
     from fastdecode.config import ModelConfig, load_group
@@ -302,8 +303,8 @@ def test_two_process_zero3_training_exports_a_loadable_checkpoint(tmp_path):
         [*launch, str(free_port()), *args], cwd=root, env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["export_check"]["abs_diff"] < 1e-4
+    check = json.loads((tmp_path / "run" / "summary.json").read_text())["export_check"]
+    assert check["abs_diff"] <= check["tolerance"]  # the gathered partitions: another layout, within rounding
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
     assert all(p.numel() > 0 for p in model.parameters())  # no empty ZeRO-3 partitions saved
     assert all(h["loss/consistency"] > 0 for h in _history(tmp_path / "run", 2))

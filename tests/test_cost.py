@@ -344,7 +344,11 @@ def test_the_eagle3_heads_price_is_timed_against_a_step_of_the_same_measurement(
     """A head's drafted token over a plain step timed beside it (interleaved), never over the cost model's
     ``step_seconds``: that one may come from the store, timed by another process on another day."""
     m = lively_model("tiny-llama")
-    head = Eagle3Head(Eagle3Config.from_target(m.config, draft_vocab_size=m.vocab_size)).to(m.dtype).eval()
+    head = (
+        Eagle3Head(Eagle3Config.from_target(m.config, draft_vocab_size=m.vocab_size, aux_layer_ids=[1, 2, 3]))
+        .to(m.dtype)
+        .eval()
+    )
     costs = decoding_costs(m)
     names = []
 

@@ -42,6 +42,7 @@ from fastdecode.drafters.eagle3.files import (
     sglang_unsupported,
 )
 from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head, default_aux_layers
+from tests.helpers import eagle3_reduction, kernel_tolerance
 from tests.test_eagle3_head import DRAFT, KEPT, H, inputs, random_head, rms, target_config
 
 STACKED = [  # SGLang's stacked_params_mapping: (param_name, shard_name, shard_id)
@@ -259,7 +260,9 @@ def test_sglang_computes_our_logits_from_the_export(tmp_path):
     embeds, features, positions = inputs()
     expected, _ = head(embeds, features, positions)
     got = sglang_forward(routed, config, embeds, features, positions)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    # SGLang's fused projections (qkv, gate_up) by hand against our head's: one step over 6 keys
+    tol = kernel_tolerance(torch.float32, eagle3_reduction(head.config, 6), float(expected.abs().max()))
+    torch.testing.assert_close(got, expected, **tol)
 
 
 SPECULATORS_PYTHON = "FASTDECODE_SPECULATORS_PYTHON"
@@ -318,9 +321,17 @@ def test_speculators_computes_our_draft_logits(tmp_path):
     for name, logits in ours.items():
         theirs = torch.load(tmp_path / name / "speculators.pt")["logits"]
         assert len(theirs) == STEPS
+        config = random_head(CASES[name][0], **CASES[name][1]).config
         for step, (a, b) in enumerate(zip(logits, theirs, strict=True)):
             # step k feeds the token k rows ahead: the last k rows run past the sequence (speculators pads
             # with token 0, we with a zero embedding), are excluded from both losses, and are not compared
             rows = LENGTH - step
-            diff = (a[:, :rows] - b[:, :rows]).abs().max().item()
-            assert diff <= 1e-4, f"{name}, TTT step {step}: max |ours - speculators| = {diff}"
+            # another library's kernels: step k chains k + 1 head steps over the sequence and the chain
+            reduction = (step + 1) * eagle3_reduction(config, LENGTH + step)
+            tol = kernel_tolerance(torch.float32, reduction, float(a[:, :rows].abs().max()))
+            torch.testing.assert_close(
+                b[:, :rows].to(a.dtype),
+                a[:, :rows],
+                **tol,
+                msg=lambda m, n=name, k=step: f"{n}, TTT step {k}: {m}",
+            )

@@ -19,7 +19,7 @@ from eagle3_train.losses import (
 from fastdecode.drafters.eagle3.layer import Eagle3KV
 from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head
 from fastdecode.tokens import IGNORE_INDEX
-from tests.helpers import kernel_tolerance
+from tests.helpers import eagle3_reduction, kernel_tolerance
 
 H, VOCAB, DRAFT = 32, 64, 40
 KEPT = sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:DRAFT].tolist())
@@ -121,14 +121,21 @@ def test_kl_is_zero_when_the_head_matches_the_target():
     head, batch = random_head(), make_batch()
     logp = target_draft_distribution(batch["target_logits"], head.t2d)
     s, n = step_loss(logp, logp, batch["loss_mask"], "kl")
-    assert n == int(batch["loss_mask"].sum()) and abs(float(s)) < 1e-5
+    # log q = log p - logsumexp(log p): zero but for that sum over the draft vocabulary, per position
+    per_position = kernel_tolerance(torch.float32, 2 * DRAFT, 1.0)["atol"]
+    assert n == int(batch["loss_mask"].sum()) and abs(float(s)) <= n * per_position
     with torch.no_grad():  # the target at position t + 1 = the head's step 0 at row t, plus anything outside
         step0 = ttt_unroll(
             head, batch["embeds"][:, 1:], batch["features"][:, :-1], torch.arange(1, 7)[None], steps=1
         )
         batch["target_logits"][:, 1:, head.t2d] = step0[0]
         loss, count, metrics = ttt_loss(head, batch, steps=1)
-    assert count > 0 and abs(float(loss)) < 1e-4 and metrics["loss_0"] < 1e-5
+    # the head's logits in two batch layouts differ by rounding (delta): the KL is zero to first order in
+    # delta, so what is left is the log-softmax's sum (as above) and delta squared, per position
+    largest = float(step0[0].abs().max())
+    delta = kernel_tolerance(torch.float32, eagle3_reduction(head.config, 7), largest)["atol"]
+    per_position += delta**2
+    assert count > 0 and abs(float(loss)) <= count * per_position and metrics["loss_0"] <= per_position
     batch["target_logits"][:, 2:, head.t2d] += 0.5 * torch.randn(2, 5, DRAFT)
     assert float(ttt_loss(head, batch, steps=1)[0].detach()) > 1e-2
 
@@ -174,7 +181,7 @@ def test_each_step_equals_a_chain_rollout_by_hand():
         unrolled = ttt_unroll(head, embeds, features, pos, steps=steps)
         # one row at a time against the batch: sums in other orders, compounding over the chain's steps
         largest = max(float(step.abs().max()) for step in unrolled)
-        tol = kernel_tolerance(torch.float32, steps * step_reduction(head.config, 6 + steps), largest)
+        tol = kernel_tolerance(torch.float32, steps * eagle3_reduction(head.config, 6 + steps), largest)
         for t in range(6):
             kv = Eagle3KV()
             logits, hidden = head(embeds[:, : t + 1], features[:, : t + 1], pos[:, : t + 1], kv)
@@ -183,14 +190,6 @@ def test_each_step_equals_a_chain_rollout_by_hand():
             for k in range(1, min(steps, 6 - t)):
                 logits, hidden = head(embeds[:, t + k : t + k + 1], hidden, pos[:, t : t + 1] + k, kv)
                 torch.testing.assert_close(unrolled[k][:, t], logits[:, 0], **tol)
-
-
-def step_reduction(cfg: Eagle3Config, keys: int) -> int:
-    """The summed lengths of the reductions one head step chains: the fc over the features, q.k and the
-    softmax-weighted sum over ``keys``, o_proj, the MLP, the head and the RMS norms."""
-    attention = cfg.head_dim + keys + cfg.num_attention_heads * cfg.head_dim
-    mlp = 2 * cfg.hidden_size + cfg.intermediate_size
-    return 3 * cfg.target_hidden_size + attention + mlp + cfg.hidden_size + 3 * cfg.hidden_size
 
 
 def test_gradients_reach_the_head_and_not_the_target_inputs():

@@ -15,13 +15,30 @@ import recipes
 from eagle3_train.losses import ttt_loss
 from eagle3_train.module import step0_items
 from eagle3_train.report import leading_matches
-from fastdecode.config import ConfigError
+from fastdecode.api import FastDecoder
+from fastdecode.config import ConfigError, load_group
+from fastdecode.data.config import DataConfig
+from fastdecode.data.sources import load_records
+from fastdecode.data.splits import first_user_turn
+from fastdecode.data.twins import prompt_digests
+from fastdecode.decoding.autoregressive import generate as autoregressive
+from fastdecode.decoding.config import DecodeConfig
 from fastdecode.drafters.eagle3.files import load_eagle3
 from fastdecode.drafters.eagle3.layer import Eagle3KV
 from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head
-from fastdecode.plan.acceptance import read_record, replay_leads
+from fastdecode.drafters.suffix.index_file import load_index
+from fastdecode.files.tensor_shards import ShardReader
+from fastdecode.plan.acceptance import (
+    AcceptanceRecord,
+    DrafterRecord,
+    read_record,
+    replay_leads,
+    write_record,
+)
+from fastdecode.registry import corpus_fingerprint, corpus_prompt_keys
 from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.tokens import IGNORE_INDEX
+from fastdecode.training.answers import ANSWERS_FILE
 from tests.helpers import tiny_model
 from tests.job_configs import LIVELY, train_cfg
 
@@ -83,6 +100,46 @@ def test_eagle3_recipe_trains_exports_and_records(tmp_path):
     assert summary["features"]["sequences"] == 16 and summary["features"]["mode"] == "cache"
 
 
+def test_the_generated_training_answers_become_the_corpus_auto_drafts_from_beside_the_head(tmp_path):
+    """One generation serves the head and suffix decoding: ``final/corpus.sfx`` holds exactly the answers the
+    target generated into the feature cache (training prompts only), their prompts' twin keys in its header,
+    and ``answers.jsonl`` beside the cache holds the same; ``auto`` with ``drafter=final`` runs suffix
+    decoding over that corpus first, the head after (exact)."""
+    summary = recipes.run(eagle3_cfg(tmp_path, "recipe.report.enabled=false"))
+    run, final = tmp_path / "run", tmp_path / "run" / "final"
+    reader = ShardReader(run / "features")
+    generated = [reader.read(i, ["targets"])["targets"].tolist() for i in range(len(reader))]
+    model, tokenizer = tiny_model("tiny-llama")
+    index = load_index(final / "corpus.sfx", fingerprint=corpus_fingerprint(tokenizer))
+    assert len(generated) == 16 and [index.tokens[index.keys[i]] for i in range(len(index))] == generated
+    answers = [json.loads(line) for line in (run / "features" / ANSWERS_FILE).read_text().splitlines()]
+    assert [a["response_ids"] for a in answers] == generated
+    data = load_group("data", "jsonl", DataConfig, path=str(tmp_path / "chat.jsonl"), held_out=4)
+    trained = {first_user_turn(r) for r in load_records(data, "train")}
+    held = {first_user_turn(r) for r in load_records(data, "held_out")}
+    prompts = [a["prompt"] for a in answers]
+    assert set(prompts) <= trained and len(held) == 4 and not set(prompts) & held
+    assert corpus_prompt_keys(final / "corpus.sfx") == prompt_digests(prompts)
+    assert summary["corpus"]["sequences"] == 16 and summary["corpus"]["tokens"] == sum(map(len, generated))
+    # the head pays (a record written by hand): auto chains it after suffix decoding over the corpus
+    rounds = {1: 1.97, 2: 2.9, 3: 3.8, 4: 4.7, 5: 5.5, 6: 6.3}
+    write_record(final, AcceptanceRecord([DrafterRecord("eagle3", 0.97, tokens_per_round=rounds)]))
+    fd = FastDecoder(model, tokenizer, drafter=str(final))
+    prompt = [1, *generated[0][:6]]  # a training answer's start: the corpus continues it
+    out = fd.generate([prompt], max_new_tokens=12, costs="estimated")
+    assert out.candidate.name == "suffix+eagle3" and out.method == "eagle3"
+    assert out.candidate.options["suffix"] == {"first": True, "corpus": str(final / "corpus.sfx")}
+    assert out.output.by_proposer["suffix"][1] > 0  # drafted from the corpus
+    cfg = DecodeConfig(max_new_tokens=12, eos_token_id=model.config.eos_token_id)
+    assert out.ids == autoregressive(EarlyExitModel(model), [prompt], cfg).tokens
+    # corpus= given explicitly wins over the one beside the head
+    other = tmp_path / "other.sfx"
+    other.write_bytes((final / "corpus.sfx").read_bytes())
+    assert fd.generate([prompt], max_new_tokens=4, costs="estimated", corpus=str(other)).config.groups[
+        "suffix"
+    ].corpus == str(other)
+
+
 def test_online_mode_computes_the_features_per_batch(tmp_path):
     summary = recipes.run(
         eagle3_cfg(
@@ -97,6 +154,7 @@ def test_online_mode_computes_the_features_per_batch(tmp_path):
     assert summary["features"] == {"mode": "online"} and not (tmp_path / "run" / "features").exists()
     assert summary["export_check"]["abs_diff"] == 0 and summary["metrics"]["train_loss"] > 0
     assert load_eagle3(final)[1].draft_vocab_size == 200 and read_record(final) is None
+    assert not (final / "corpus.sfx").exists()  # no answers generated: no corpus
 
 
 @pytest.mark.parametrize("mode", ["cache", "online"])
@@ -144,7 +202,7 @@ def test_a_run_resumes_from_its_checkpoint(tmp_path):
     "overrides,message",
     [
         (["recipe.aux_layer_ids=[1,2,4]"], r"recipe.aux_layer_ids=\[1, 2, 4\] .* 4 layers"),
-        (["recipe.aux_layer_ids=null"], r"recipe.aux_layer_ids=null .* = \[2, 2, 1\]"),
+        (["recipe.aux_layer_ids=null"], r"recipe.aux_layer_ids=null: .* gives \[2, 2, 1\]"),
         (["recipe.draft_vocab_size=262"], r"draft_vocab_size=262 .* \(261\)"),
         (["peft=lora"], "set peft=none"),
         (["recipe.features.mode=online"], "set recipe.features.source=data"),

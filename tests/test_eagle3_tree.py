@@ -90,7 +90,7 @@ def test_every_node_scores_the_heads_probability_along_its_own_path():
     base = len(rows) - 1  # t's row, rewritten as it was
     with torch.inference_mode():
         rows.crop(base)
-        pool, passes = grow(rows, proposer.last_row(r), r.positions, vocab, levels=4, top_k=3)
+        pool, passes = grow(rows, proposer.last_row(r), r.positions, vocab, levels=4, top_k=3, keep=30)
         rows.crop(base)
     tokens, scores, parents = (torch.cat(x, 1) for x in (pool.tokens, pool.scores, pool.parents))
     assert passes == 3 and pool.size == 3 + 3 * 9
@@ -140,6 +140,58 @@ def test_tree_greedy_equals_autoregressive(name, engine, monkeypatch):
     assert any(branches(parents) for parents in seen)
     learnt = DECODERS["eagle3"](m, prompts[:8], replace(base, policy="constant"))
     assert learnt.tokens == ref[:8] and learnt.acceptance_rate > 0.9, learnt.acceptance_rate
+
+
+def test_a_level_no_kept_node_can_reach_is_not_expanded(tmp_path, monkeypatch):
+    """A random head's flat drafts: the best nodes are shallow, so ``grow`` stops where no deeper node could be
+    among the round's nodes. Every tree verified is the full tree's, round by round, the text is
+    autoregressive decoding's, and the head runs fewer passes (counted)."""
+    import fastdecode.drafters.eagle3.proposer as proposer_module
+    from fastdecode.drafters.eagle3.proposer import HeadRows
+    from tests.eagle3_heads import random_head_dir
+
+    m = target("tiny-llama")
+    prompts = mixed_prompts(m)[:4]
+    cfg = DecodeConfig(
+        max_new_tokens=12, draft_tokens=6, costs="estimated", drafter=random_head_dir(tmp_path)
+    ).with_options(Eagle3Options(tree=True, top_k=2))
+    ref = autoregressive(m, prompts, replace(cfg, **REFERENCE)).tokens
+    real_grow, real_add = proposer_module.grow, HeadRows.add
+
+    def run(full: bool, policy: str) -> tuple[list, list[tuple], int]:
+        passes = [0]  # the head's forwards: prefill, t's rows, tree levels, the kept rows
+
+        def add(self, *args, **kwargs):
+            passes[0] += 1
+            return real_add(self, *args, **kwargs)
+
+        def grow_all(*args, **kwargs):  # every level expanded: the tree as it was grown before
+            return real_grow(*args, **kwargs, keep=10**6)
+
+        monkeypatch.setattr(HeadRows, "add", add)
+        monkeypatch.setattr(proposer_module, "grow", grow_all if full else real_grow)
+        drafted = []
+        real_propose = Eagle3Proposer.propose_tree
+
+        def propose(self, *args):
+            draft = real_propose(self, *args)
+            drafted.append((draft.tokens.clone(), None if draft.parents is None else draft.parents.clone()))
+            return draft
+
+        monkeypatch.setattr(Eagle3Proposer, "propose_tree", propose)
+        out = DECODERS["eagle3"](m, prompts, replace(cfg, policy=policy))
+        monkeypatch.undo()
+        return out.tokens, drafted, passes[0]
+
+    for policy in ("constant", "adaptive"):
+        tokens, trees, passes = run(False, policy)
+        full_tokens, full_trees, full_passes = run(True, policy)
+        assert tokens == full_tokens == ref, policy
+        assert len(trees) == len(full_trees) and any(p is not None and branches(p) for _, p in trees)
+        for (drafted, parents), (want, want_parents) in zip(trees, full_trees, strict=True):
+            assert torch.equal(drafted, want) and (parents is None) == (want_parents is None), policy
+            assert parents is None or torch.equal(parents, want_parents), policy
+        assert passes < full_passes, (policy, passes, full_passes)
 
 
 def test_tree_sampling_matches_the_target_distribution(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ from fastdecode.files.checkpoint_info import read_sidecar, write_sidecar
 from fastdecode.files.faults import ENV as FAULT
 from fastdecode_cli.export_exit import run as run_cli
 from tests.conftest import TINY_MODELS
-from tests.helpers import lively_model, random_prompts, tiny_model
+from tests.helpers import lively_model, model_tolerance, random_prompts, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = 2  # the exit every test checkpoint records in its fastdecode.json
@@ -70,7 +70,8 @@ def test_the_exported_exit_has_the_exit_logits(name, exit_layer, checkpoints, tm
     ids = torch.randint(5, 261, (2, 30), generator=torch.Generator().manual_seed(exit_layer))
     pos = torch.arange(30).expand(2, -1)
     expected = m.exit_logits(m.run_layers(m.embed(ids, pos), 0, exit_layer, pos))
-    assert (draft(ids).logits - expected).abs().max().item() <= 1e-5
+    # HF's layers against EarlyExitModel's (other kernels on some families)
+    torch.testing.assert_close(draft(ids).logits, expected, **model_tolerance(m.config, 30, expected))
     tied = draft.get_output_embeddings().weight is draft.get_input_embeddings().weight
     assert tied == bool(m.config.tie_word_embeddings)
     sidecar = read_sidecar(out)

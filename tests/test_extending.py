@@ -27,7 +27,7 @@ from fastdecode.runtime.families import FAMILIES, Family
 from fastdecode.runtime.loading import load_model
 from fastdecode.runtime.model import EarlyExitModel
 from tests.conftest import ENGINES, REFERENCE
-from tests.helpers import assert_drafted_and_accepted, lively_model, tiny_model
+from tests.helpers import assert_drafted_and_accepted, lively_model, model_tolerance, tiny_model
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -56,7 +56,8 @@ def test_a_family_added_the_documented_way_runs_like_hf(toy_family):
     model, _ = load_model(load_group("model", toy_family, ModelConfig, dtype="float32", device="cpu"))
     m = EarlyExitModel(model)
     ids = torch.randint(5, 261, (2, 21), generator=torch.Generator().manual_seed(0))
-    assert (m.forward(ids) - model(ids).logits).abs().max().item() <= 1e-5
+    want = model(ids).logits  # HF's forward against EarlyExitModel's: other kernels may run
+    torch.testing.assert_close(m.forward(ids), want, **model_tolerance(model.config, 21, want))
     assert not m.lean_supported()  # q/k norms: not the lean layers' layout, so the engine copies HF's layers
     prompts = [[5, 6, 7, 8, 9], [10, 11]]
     ref = DECODERS["autoregressive"](m, prompts, DecodeConfig(max_new_tokens=6, **REFERENCE)).tokens

@@ -15,7 +15,7 @@ from fastdecode.runtime.loading import load_model
 from recipes.common import TrainJob, load_job
 from recipes.finetune import FinetuneRun, Recipe, finetune
 from recipes.sft import SFT
-from tests.helpers import write_chat_jsonl
+from tests.helpers import model_tolerance, write_chat_jsonl
 
 
 def _job(tmp_path: Path, *extra: str) -> tuple[TrainJob, object]:
@@ -101,7 +101,7 @@ def test_finetune_runs_the_hooks_in_order_and_writes_the_summary(tmp_path):
     assert saved == run.summary
     assert list(saved) == ["checkpoint", "metrics", "known_before", "export_check", "after", "extra"]
     assert saved["after"] == {"before": {"held_out": 2}}  # before_report's result reaches after_report
-    assert saved["export_check"]["abs_diff"] < 1e-4
+    assert saved["export_check"]["abs_diff"] == 0  # the saved fp32 weights, reloaded: the same forward
     assert saved["metrics"]["train_loss"] > 0 and "eval_loss" in saved["metrics"]
     assert (out / "config.yaml").is_file() and Path(saved["extra"]).is_file()
     assert isinstance(run.final, torch.nn.Module) and run.trainer.state.global_step == 1
@@ -124,14 +124,53 @@ def test_sft_with_lora_trains_only_the_lora_weights_and_exports_the_merged_model
     assert not any(p.requires_grad for p in frozen.values())
     trained = [n for n, p in lora.items() if n.endswith("lora_B.default.weight") and p.abs().sum() > 0]
     assert trained  # lora_B starts at zero: it moved, so the LoRA weights trained (and are not merged live)
-    assert run.summary["export_check"]["abs_diff"] < 1e-4
+    check = run.summary["export_check"]  # the merged weights: other sums, within rounding
+    assert check["abs_diff"] <= check["tolerance"]
     merged = AutoModelForCausalLM.from_pretrained(run.summary["checkpoint"])
     assert not any("lora" in n for n, _ in merged.named_parameters())
     ids = torch.tensor([[3, 40, 50, 60, 70]])
     with torch.no_grad():
         want = run.model.eval()(input_ids=ids).logits
-        assert torch.allclose(merged(input_ids=ids).logits, want, atol=1e-4)  # merged == live LoRA model
+        # merged == live LoRA model: W + BA against W x + B (A x), the rank-4 sums beside the forward's
+        tol = model_tolerance(merged.config, 5, want, extra=4 * merged.config.num_hidden_layers)
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, **tol)
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == run.summary
+
+
+def test_the_export_check_allows_what_rounding_explains_in_the_live_dtype():
+    """``export_tolerance``: fp32's ``n * u`` over the forward's sums; more for a bf16 live model and for a
+    deeper one. ``compare_export`` passes a bf16 model against its fp32 export and refuses an export with a
+    layer re-initialised (a partial save)."""
+    import copy
+
+    from transformers import LlamaConfig
+
+    from recipes.common import compare_export, export_tolerance, forward_reduction
+    from tests.helpers import lively_model
+
+    model = lively_model("tiny-llama").hf
+    config, ids = model.config, torch.randint(5, 261, (2, 24), generator=torch.Generator().manual_seed(0))
+    fp32 = export_tolerance(torch.float32, config, ids.numel())
+    assert fp32 == (forward_reduction(config, ids.numel()) + config.vocab_size + ids.numel()) * 2**-24
+    bf16 = export_tolerance(torch.bfloat16, config, ids.numel())
+    deep = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, vocab_size=32000)
+    assert fp32 < bf16 < export_tolerance(torch.bfloat16, deep, ids.numel())
+    assert fp32 < export_tolerance(torch.float32, deep, ids.numel())
+
+    def loss(m) -> float:
+        with torch.no_grad():
+            return float(m(input_ids=ids, labels=ids).loss)
+
+    exported = loss(model)
+    live = loss(copy.deepcopy(model).to(torch.bfloat16))  # trained in bf16, exported in fp32
+    assert compare_export(exported, live, bf16)["tolerance"] == bf16 * live
+    partial = copy.deepcopy(model)
+    with torch.no_grad():
+        for weight in partial.model.layers[2].parameters():
+            if weight.dim() == 2:  # a layer the export lost: a fresh init
+                weight.normal_(0, 0.02)
+    with pytest.raises(RuntimeError, match="exported checkpoint disagrees"):
+        compare_export(loss(partial), exported, fp32)
 
 
 def test_sft_checks_the_deepspeed_batch_before_loading(tmp_path, monkeypatch):

@@ -41,7 +41,7 @@ def test_layerskip_recipe_exports_a_plain_hf_checkpoint(tmp_path, capsys):
     vocab = json.loads(Path(summary["draft_vocab"]).read_text())  # the most frequent trained-on tokens
     assert Path(summary["draft_vocab"]).parent == Path(summary["checkpoint"]) and vocab["size"] == 8
     assert 4 in vocab["ids"]  # EOS (a special token) is always draftable
-    assert summary["export_check"]["abs_diff"] < 1e-4  # saved weights reproduce the live model
+    assert summary["export_check"]["abs_diff"] == 0  # the saved fp32 weights, reloaded: the same forward
     assert summary["metrics"]["eval_loss/exit_4"] > 0  # evaluation logs the exit losses too (the last one)
     reloaded = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
     sidecar = json.loads((Path(summary["checkpoint"]) / "fastdecode.json").read_text())
@@ -218,7 +218,8 @@ def test_resume_repeats_the_same_losses(tmp_path, monkeypatch, curriculum):
 
 def test_lora_adapters_train_merge_and_reload(tmp_path):
     summary = recipes.run(layerskip_cfg(tmp_path, "peft=lora", "peft.r=4", "trainer.learning_rate=1e-2"))
-    assert summary["export_check"]["abs_diff"] < 1e-4  # merged weights reproduce the live LoRA model
+    check = summary["export_check"]  # merged weights reproduce the live LoRA model, within rounding
+    assert check["abs_diff"] <= check["tolerance"]
     merged = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
     assert not any("lora" in name for name, _ in merged.named_parameters())
     from fastdecode.config import ModelConfig, load_group

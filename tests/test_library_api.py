@@ -347,6 +347,28 @@ def test_the_plan_is_kept_per_batch_size_and_engine(fd):
     assert out.candidate is four.best
 
 
+def test_a_head_retrained_in_place_is_planned_again(fd, tmp_path):
+    """The plan is kept per version of the head's files: its ``acceptance.json`` rewritten in the same
+    directory with other numbers, the next ``plan()`` prices those."""
+    import os
+
+    from fastdecode.plan.acceptance import AcceptanceRecord, DrafterRecord, write_record
+    from tests.eagle3_heads import random_head_dir
+
+    path = random_head_dir(tmp_path)
+    rounds = {1: 1.97, 2: 2.9, 3: 3.8, 4: 4.7, 5: 5.5, 6: 6.3}
+    record = write_record(path, AcceptanceRecord([DrafterRecord("eagle3", 0.97, tokens_per_round=rounds)]))
+    paying = fd.plan(1, costs="estimated", drafter=path)
+    assert "eagle3" in [c.method for c in paying.candidates]
+    assert fd.plan(1, costs="estimated", drafter=path) is paying  # kept while the files are unchanged
+    stat = record.stat()
+    write_record(path, AcceptanceRecord([DrafterRecord("eagle3", 0.05, tokens_per_round={1: 1.05})]))
+    os.utime(record, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new version on any clock
+    again = fd.plan(1, costs="estimated", drafter=path)
+    assert [c.method for c in again.candidates] == ["prompt_lookup"]
+    assert again.not_paying[0]["drafter"] == "eagle3" and again.not_paying[0]["acceptance"] == 0.05
+
+
 def test_every_model_generates_by_default():
     """A model that records no exit or adapter still generates with the default (prompt lookup)."""
     out = fastdecode.from_pretrained("tiny-llama").generate("hello", max_new_tokens=6)

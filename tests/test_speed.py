@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 from hydra.errors import MissingConfigException
@@ -507,3 +508,45 @@ def test_per_category_rows_and_table(tmp_path):
     )
     with open(tmp_path / "out" / "category_summary.csv") as f:
         assert len(list(csv.DictReader(f))) == 6
+
+
+# --------------------------------------------------------------------------------------------------------
+# Prompts without twins (fastdecode.data.twins)
+def test_prompts_with_a_twin_among_a_corpus_prompts_are_dropped_and_counted(tmp_path):
+    """A prompt whose twin a corpus answers (``corpus=``, or the one beside ``drafter=``: the head's training
+    prompts) is not benchmarked; the report says how many were dropped, per corpus."""
+    from fastdecode.bench.speed import prompt_records
+    from fastdecode.registry import corpus_fingerprint
+    from fastdecode.training.answers import save_corpus
+
+    fingerprint = corpus_fingerprint(tiny_model("tiny-llama")[1])
+    corpus = tmp_path / "answers.sfx"
+    save_corpus(corpus, [[40, 41, 42]], ["COUNT from 1 to 6", "unrelated"], fingerprint=fingerprint)
+    head = Path(random_head_dir(tmp_path))
+    save_corpus(head / "corpus.sfx", [[43]], ["count from 2 to 7!"], fingerprint=fingerprint)
+    methods = ("decoder=[autoregressive,suffix]", "hf_baseline=null")
+    job, _, _ = plan(tiny_speed_cfg(tmp_path, *methods, f"corpus={corpus}", f"drafter={head}"))
+    records, twins = prompt_records(job)
+    assert [r["messages"][0]["content"] for r in records] == ["Count from 0 to 5."]
+    assert twins == {"training_split": 0, "corpora": {str(corpus): 1, str(head / "corpus.sfx"): 1}}
+    job, _, _ = plan(tiny_speed_cfg(tmp_path, *methods, f"corpus={corpus}"))
+    assert len(prompt_records(job)[0]) == 2 and prompt_records(job)[1]["corpora"] == {str(corpus): 1}
+    save_corpus(corpus, [[40]], [f"count from {i} to {i + 5}" for i in range(3)], fingerprint=fingerprint)
+    with pytest.raises(ConfigError, match="every prompt of data 'jsonl' .* has a twin"):
+        prompt_records(job)
+
+
+def test_the_report_counts_the_prompts_dropped_for_a_twin(tmp_path):
+    from eval.speed import run
+    from fastdecode.registry import corpus_fingerprint
+    from fastdecode.training.answers import save_corpus
+
+    corpus = tmp_path / "answers.sfx"
+    fingerprint = corpus_fingerprint(tiny_model("tiny-llama")[1])
+    save_corpus(corpus, [[40, 41, 42]], ["Count from 1 to 6"], fingerprint=fingerprint)
+    cfg = tiny_speed_cfg(tmp_path, "decoder=[autoregressive,suffix]", "hf_baseline=null", f"corpus={corpus}")
+    result = run(cfg)
+    assert result["twins"] == {"training_split": 0, "corpora": {str(corpus): 1}}
+    assert len(result["prompts"]) == 2
+    saved = json.loads((tmp_path / "out" / "speed.json").read_text())
+    assert saved["twins"] == result["twins"]

@@ -6,6 +6,7 @@ prompt is decoded."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -14,6 +15,7 @@ import fastdecode
 from fastdecode.config import CONFIG_DIR, ConfigError
 from fastdecode.decoding.config import DecodeConfig
 from fastdecode.drafters.suffix import proposer as suffix_module
+from fastdecode.drafters.suffix import sources
 from fastdecode.drafters.suffix.index_file import NotASuffixIndexError, SuffixIndexFingerprintError
 from fastdecode.drafters.suffix.options import SuffixOptions
 from fastdecode.drafters.suffix.sources import corpus_fingerprint, corpus_index, reset_global_index
@@ -272,3 +274,79 @@ def test_the_benchmarks_auto_row_drafts_over_the_corpus(tmp_path):
     assert result["methods"]["auto:suffix"]["decoder"] == "suffix"
     assert rows["auto"]["ran"] == ["suffix"]
     assert rows["auto"]["match_rate"] == 1.0 and rows["auto:suffix"]["match_rate"] == 1.0
+
+
+def counting_loads(monkeypatch) -> list[Path]:
+    """The corpus files read whole from now on (``sources.whole_file``: one call per load)."""
+    loads, whole_file = [], sources.whole_file
+    monkeypatch.setattr(sources, "whole_file", lambda path: loads.append(Path(path)) or whole_file(path))
+    return loads
+
+
+def test_a_corpus_file_is_loaded_once_whatever_the_eos_ids(tmp_path, monkeypatch):
+    """``generate(method="suffix", corpus=PATH)`` twice: the API's check (no EOS ids) and decoding (the
+    model's EOS ids) share one load of the file (was: one load per EOS ids and rule, two per file)."""
+    built = build(tmp_path, [{"text": "Count from 1 to 6. 1 2 3 4 5 6"}], append_eos="true")
+    loads = counting_loads(monkeypatch)
+    fd = fastdecode.from_pretrained("tiny-llama")
+    expected = fd.generate("Count from 1", method="autoregressive", max_new_tokens=10, chat=False)
+    assert fd.config(
+        "suffix", max_new_tokens=1
+    ).eos_ids  # decoding's EOS ids are not the check's: the loads used to differ
+    for _ in range(2):
+        out = fd.generate(
+            "Count from 1", method="suffix", corpus=built["output"], max_new_tokens=10, chat=False
+        )
+        assert out.ids == expected.ids
+    assert loads == [Path(built["output"])]
+
+
+def test_a_corpus_over_the_size_bound_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """``decoder.suffix.max_corpus_bytes``: a larger file is refused by the API and by a decoder, naming the
+    file, its size, the bound and the option, before its body is read; a bound it fits loads it."""
+    from fastdecode.drafters.suffix.sources import SuffixIndexTooLargeError
+
+    built = build(tmp_path, [{"text": "Count from 1 to 6. 1 2 3 4 5 6"}])
+    path, size = built["output"], Path(built["output"]).stat().st_size
+    loads = counting_loads(monkeypatch)
+    fd = fastdecode.from_pretrained("tiny-llama")
+    small = {"max_corpus_bytes": size - 1}
+    for named in ({"corpus": path, "suffix": small}, {"suffix": small | {"corpus": path}}):
+        with pytest.raises(SuffixIndexTooLargeError) as caught:
+            fd.generate("one two", method="suffix", max_new_tokens=4, chat=False, **named)
+        message = str(caught.value)
+        assert path in message and f"({size} bytes)" in message, message
+        assert f"max_corpus_bytes={size - 1}" in message and "suffix={'max_corpus_bytes'" in message
+    cfg = DecodeConfig(max_new_tokens=4).with_options(SuffixOptions(corpus=path, max_corpus_bytes=size - 1))
+    with pytest.raises(SuffixIndexTooLargeError, match="over the bound"):
+        DECODERS["suffix"](fd.m, [[1, 2, 3]], cfg)
+    assert loads == []
+    fd.generate("one two", method="suffix", corpus=path, suffix={"max_corpus_bytes": size}, max_new_tokens=4)
+    assert loads == [Path(path)] and SuffixOptions().max_corpus_bytes == 1 << 30
+    with pytest.raises(ConfigError, match=r"decoder.suffix.max_corpus_bytes=0 .*need >= 1"):
+        SuffixOptions(max_corpus_bytes=0)
+
+
+def test_the_benchmark_checks_a_corpus_its_methods_name_against_the_tokenizer(tmp_path, monkeypatch):
+    """A corpus named by a method's own options (not ``corpus=``) is compared with the benchmark's tokenizer
+    before any decoding (was: only a decoder's vocabulary-size check, so another tokenizer's file of the same
+    size was drafted from)."""
+    from eval.speed import run as run_speed
+    from fastdecode.drafters.suffix.index import SuffixIndex
+    from fastdecode.drafters.suffix.index_file import save_index
+
+    _, tokenizer = tiny_model("tiny-llama")
+    index = SuffixIndex(8)
+    index.add(0, tokenizer("Count from 1 to 6", add_special_tokens=False).input_ids)
+    other = corpus_fingerprint(tokenizer) | {"vocab_hash": "another"}
+    path = save_index(tmp_path / "other.sfx", index, fingerprint=other)
+    decoded = []
+    monkeypatch.setattr(
+        suffix_module.SuffixProposer, "propose", lambda *a: decoded.append(a) or pytest.fail()
+    )
+    for method in ("suffix_no_corpus", "suffix"):
+        named = f"decoder.{method}.options.suffix.corpus={path}"
+        cfg = tiny_speed_cfg(tmp_path, f"decoder=[autoregressive,{method}]", "hf_baseline=null", named)
+        with pytest.raises(SuffixIndexFingerprintError, match="another tokenizer"):
+            run_speed(cfg)
+    assert decoded == []

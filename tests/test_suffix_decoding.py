@@ -23,10 +23,10 @@ from fastdecode.drafters.suffix.index_file import (
     save_index,
 )
 from fastdecode.drafters.suffix.options import SuffixOptions
-from fastdecode.drafters.suffix.proposer import Calibration, SuffixProposer
+from fastdecode.drafters.suffix.proposer import Calibration, SuffixProposer, carried_calibration
 from fastdecode.drafters.suffix.sources import (
-    carried,
     global_index,
+    global_scope,
     global_sizes,
     remember,
     reset_global_index,
@@ -255,7 +255,7 @@ def test_the_calibration_outlives_a_call_decayed_per_model():
     prompts, cfg = repeating_prompts(), cfg_of(policy="adaptive")
     expected = autoregressive(m, prompts, cfg).tokens
     assert suffix(m, prompts, cfg).tokens == expected
-    learnt = carried(m, "calibration", Calibration)
+    learnt = carried_calibration(m, SuffixOptions.of(cfg))
     before = {key: list(tally) for key, tally in learnt.counts.items()}
     assert sum(tried for _, tried in before.values()) > 0
     reset_global_index()
@@ -268,3 +268,29 @@ def test_the_calibration_outlives_a_call_decayed_per_model():
     fresh = SuffixProposer(Setup(other, prompts, cfg, torch.Generator(), costs))
     assert fresh.calibration is not learnt  # (tiny models are shared across tests: its counts may not be 0)
     assert suffix(m, prompts, cfg).tokens == expected
+
+
+def test_calibrations_are_kept_apart_per_draft_shape_and_corpus(tmp_path):
+    """Acceptance learnt drafting chains over corpus A does not calibrate trees over A, chains over another
+    corpus or without one: each starts from the prior alone; chains over A start from what they learnt (was:
+    one calibration per model for every shape and corpus)."""
+    m = lively_model("tiny-llama", 0.1)
+    prompts, base = repeating_prompts(), cfg_of(policy="adaptive", eos_token_id=None)
+    expected = autoregressive(m, prompts, base).tokens
+    answers = [p + e for p, e in zip(prompts, expected, strict=True)]
+    a, b = corpus_file(tmp_path, answers, name="a.sfx"), corpus_file(tmp_path, answers, name="b.sfx")
+    costs = cost_model(m, "estimated")
+
+    def options(**given) -> DecodeConfig:
+        return base.with_options(SuffixOptions(global_size=0, **given))
+
+    def learnt(cfg: DecodeConfig) -> dict:
+        return SuffixProposer(Setup(m, prompts, cfg, torch.Generator(), costs)).calibration.counts
+
+    with global_scope("test_calibrations_are_kept_apart"):  # none of the other tests' calls on this model
+        assert suffix(m, prompts, options(corpus=a)).tokens == expected
+        assert sum(tried for _, tried in learnt(options(corpus=a)).values()) > 0
+        for other in (options(corpus=a, tree=True), options(corpus=b), options()):
+            assert learnt(other) == {}, SuffixOptions.of(other)
+        assert suffix(m, prompts, options(corpus=a, tree=True)).tokens == expected
+        assert learnt(options(corpus=a, tree=True)) and learnt(options(corpus=b)) == {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +19,7 @@ from fastdecode.drafters.suffix.index_file import (
     load_index,
     save_index,
 )
+from fastdecode.drafters.suffix.sources import corpus_index
 from fastdecode.errors import UserError
 
 CASES = [(seed, vocab, depth) for seed in range(4) for vocab, depth in ((3, 4), (4, 7), (6, 64), (2, 3))]
@@ -261,3 +263,62 @@ def test_ranked_children_follow_every_change_of_the_counts():
     assert index.continuations(index.find([5])) == [(1, 4), (2, 2)]
     index.remove("b")
     assert index.continuations(index.find([5])) == [(2, 2), (1, 1)]
+
+
+def retained(index: SuffixIndex) -> tuple[int, int]:
+    """(nodes held below the root, children held by ranking memos: on the nodes, or in the index's own)."""
+    nodes, stack, memoised = 0, [index.root], 0
+    while stack:
+        node = stack.pop()
+        nodes += node is not index.root
+        memoised += len(node.order[1]) if node.order is not None else 0
+        stack.extend((node.children or {}).values())
+    memo = getattr(index, "memo", None)
+    return nodes, memoised + (memo.size if memo is not None else 0)
+
+
+def every_draft(index: SuffixIndex, contexts: list[list[int]]) -> list[tuple]:
+    return [
+        (d.tokens, d.parents, d.scores, d.match_length)
+        for context in contexts
+        for d in (index.draft_chain(context, 8, 0.0), index.draft_tree(context, 12, 0.0))
+    ]
+
+
+def test_queries_do_not_grow_a_corpus_read_from_a_file(tmp_path):
+    """A corpus index (``corpus_index``: one per file version, shared by every caller) is as its file left it
+    after many distinct queries: no node expanded, its ranking memo within its bound; its drafts are a plain
+    index's, which the same queries do grow (was: every read expanded nodes and kept memos on them)."""
+    seqs = texts(11, 6, count=8)  # long random texts: most of their paths are unexpanded chains when saved
+    fingerprint = {"vocab_size": 6, "vocab_hash": "h"}
+    path = save_index(tmp_path / "corpus.sfx", built(seqs, 64), fingerprint=fingerprint)
+    corpus = corpus_index(path, SimpleNamespace(vocab_size=6))
+    plain = load_index(path, fingerprint=fingerprint)
+    rng = random.Random(5)
+    contexts = [seq[:end] for seq in seqs for end in range(len(seq) + 1)]
+    contexts += [[rng.randrange(6) for _ in range(rng.randrange(1, 12))] for _ in range(200)]
+    loaded, plain_loaded = retained(corpus), retained(plain)
+    assert loaded == plain_loaded and loaded[1] == 0
+    assert every_draft(corpus, contexts) == every_draft(plain, contexts)
+    assert retained(plain)[0] > plain_loaded[0]  # the same queries expand a plain index's nodes
+    assert retained(corpus)[0] == loaded[0]
+    corpus.memo.resize(10)  # a bound the memo reaches: the least recently used rankings go
+    assert every_draft(corpus, contexts) == every_draft(plain, contexts)
+    assert 0 < corpus.memo.size <= 10 and retained(corpus)[0] == loaded[0]
+    with pytest.raises(TypeError, match="read only"):
+        corpus.add("new", [1, 2])
+
+
+@pytest.mark.parametrize("eos", ["before", "after"])
+def test_a_corpus_drafts_with_each_callers_eos_ids_from_one_load(tmp_path, eos):
+    """``corpus_index(path, m, stop=, eos=)``: views of the one index loaded for the file, each drafting as an
+    index built with its EOS ids and rule."""
+    seqs = [[1, 2, 9, 3], [1, 2, 9, 4], [1, 2, 5, 6], *texts(3, 10)]
+    fingerprint = {"vocab_size": 10, "vocab_hash": "h"}
+    path = save_index(tmp_path / "corpus.sfx", built(seqs, 8), fingerprint=fingerprint)
+    m = SimpleNamespace(vocab_size=10)
+    stopped, free = corpus_index(path, m, stop={9}, eos=eos), corpus_index(path, m)
+    assert stopped.root is free.root  # one load
+    contexts = [[1], [1, 2], *[seq[:end] for seq in seqs for end in range(len(seq))]]
+    assert every_draft(stopped, contexts) == every_draft(built(seqs, 8, stop={9}, eos=eos), contexts)
+    assert every_draft(free, contexts) == every_draft(built(seqs, 8), contexts)

@@ -16,7 +16,7 @@ def _write_jsonl(path, n=24):
     with open(path, "w") as f:
         for i in range(n):
             f.write(
-                json.dumps({"prompt": f"Count to {i % 7}.", "response": " ".join(map(str, range(i % 7)))})
+                json.dumps({"prompt": f"Count to {i % 7} (take {i}).", "response": " ".join(map(str, range(i % 7)))})
                 + "\n"
             )
 

@@ -157,13 +157,13 @@ class Tally:
         """Rounds with a draft (with ``policy=constant``: rounds whose lookup matched) over all rounds."""
         return self.drafting / max(1, self.rounds)
 
-    def lookup_prior(self) -> str:
+    def lookup_prior(self, limit: int) -> str:
         """What ``fastdecode.plan.choose.LOOKUP_PRIOR`` holds: the share of rounds with a draft, the tokens such a
-        round emits and the tokens it drafts."""
+        round emits and the tokens it drafts, at up to ``limit`` drafts (the replay's ``draft_tokens``)."""
         rounds = max(1, self.drafting)
         return (
             f"LookupPrior(drafted={self.draft_rate:.3f}, tokens={self.drafting_tokens / rounds:.3f}, "
-            f"width={self.drafted / rounds:.3f})"
+            f"width={self.drafted / rounds:.3f}, limit={limit})"
         )
 
     def acceptance(self) -> list[float]:
@@ -250,7 +250,7 @@ def report(found: dict[tuple[Variant, str], Tally], policies: Sequence[str], dra
         lines[-1] += f"; next {second.label}, {other.speedup:.3f}x ({margin:+.1f}%)."
     lines += [
         "",
-        f"fastdecode.plan.choose.LOOKUP_PRIOR ({top.label}, policy={policies[0]}): {tally.lookup_prior()}",
+        f"fastdecode.plan.choose.LOOKUP_PRIOR ({top.label}, policy={policies[0]}): {tally.lookup_prior(draft_tokens)}",
     ]
     if (top, "constant") in found:
         lines += ["", f"Acceptance prior ({top.label}, policy=constant):", ""]

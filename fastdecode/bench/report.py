@@ -119,6 +119,11 @@ def _fmt(value: Any, spec: str | None) -> str:
     return spec.format(value) if spec else str(value)
 
 
+def _expected(speedup: float | None) -> str:
+    """A candidate's expected speedup; None: no prior recorded for it (``choose.with_corpus``)."""
+    return "no prior recorded" if speedup is None else f"expected {speedup:.2f}x"
+
+
 def auto_line(result: dict) -> str | None:
     """One line: the ``auto`` method's plan (expected speedups), what the ``auto`` row ran and how it fared
     against the best measured candidate per temperature and batch size, and the drafters not expected to pay
@@ -126,7 +131,7 @@ def auto_line(result: dict) -> str | None:
     plan = result.get("plan")
     if not plan:
         return None
-    planned = ", ".join(f"{c['name']} (expected {c['expected_speedup']:.2f}x)" for c in plan["candidates"])
+    planned = ", ".join(f"{c['name']} ({_expected(c['expected_speedup'])})" for c in plan["candidates"])
     best = {(row["temperature"], row["batch_size"]): row for row in result["summary"] if row.get("auto_best")}
     ran = []
     for row in result["summary"]:

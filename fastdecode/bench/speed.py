@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from fastdecode.api import drafter_corpus
 from fastdecode.bench.auto import AUTO_PREFIX, resolve_after_load
 from fastdecode.bench.categories import category_summary, prompt_categories, round_robin
 from fastdecode.bench.config import (
@@ -24,9 +25,18 @@ from fastdecode.bench.config import (
 from fastdecode.bench.engines import AutoRunner, FastdecodeRunner, HFRunner
 from fastdecode.bench.stats import Record, attach_matches, oracle_report, summarise
 from fastdecode.config import ConfigError
-from fastdecode.data.sources import load_records
+from fastdecode.data.sources import load_split
+from fastdecode.data.splits import first_user_turn
+from fastdecode.data.twins import drop_twins
 from fastdecode.decoding.common import check_context
-from fastdecode.registry import check_corpus_file, corpus_fingerprint, corpus_options, load_corpus
+from fastdecode.registry import (
+    check_corpus_file,
+    corpus_fingerprint,
+    corpus_options,
+    corpus_prompt_keys,
+    load_corpus,
+    named_corpus,
+)
 from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.tokens import eos_ids
 
@@ -34,16 +44,48 @@ log = logging.getLogger(__name__)
 
 
 def read_prompt_records(job: SpeedJob) -> list[dict]:
+    """``prompt_records``' records."""
+    return prompt_records(job)[0]
+
+
+def prompt_records(job: SpeedJob) -> tuple[list[dict], dict]:
     """The prompt records (``prompt_split=auto``): the data config's ``eval_split`` when it names one, else
-    benchmarks whole and training sets held-out only; round-robin across categories when they have one and
-    ``n_prompts`` takes fewer than all (``categories.round_robin``)."""
+    benchmarks whole and training sets held-out only; none with a twin (``data.twins``) in the training split
+    or among the prompts of a corpus the job decodes with (``corpus=``, the one beside ``drafter=``);
+    round-robin across categories when they have one and ``n_prompts`` takes fewer than all
+    (``categories.round_robin``). Returns them and what was dropped (``twins``: the report's)."""
     split = job.prompt_split
     if split == "auto":
         split = job.data.eval_split or ("all" if job.data.eval_only else "held_out")
-    records = load_records(job.data, split)
+    records, split_twins = load_split(job.data, split)
     if not records:
         raise ConfigError(f"data '{job.data.name}' has no records in split '{split}'.")
-    return round_robin(records, job.n_prompts)
+    twins = {"training_split": split_twins, "corpora": {}}
+    for corpus in twin_corpora(job):
+        keys = corpus_prompt_keys(corpus)
+        if keys is None:
+            log.warning("corpus %s records no prompt keys: its prompts' twins cannot be excluded", corpus)
+        else:
+            records, dropped = drop_twins(records, set(keys), first_user_turn, digests=True)
+            twins["corpora"][corpus] = dropped
+    if not records:
+        raise ConfigError(
+            f"every prompt of data '{job.data.name}' ({split}) has a twin among the corpus' prompts "
+            f"({twins['corpora']}): benchmark another prompt set, or give a corpus built from other prompts."
+        )
+    if split_twins or any(twins["corpora"].values()):
+        log.info(
+            "prompts with a twin dropped: %d (training split), %s (corpora)", split_twins, twins["corpora"]
+        )
+    return round_robin(records, job.n_prompts), twins
+
+
+def twin_corpora(job: SpeedJob) -> list[str]:
+    """The corpus files whose prompts the benchmark's must not twin: ``corpus=`` and the one beside the
+    EAGLE-3 head (``drafter=``: the answers it was trained on, ``api.drafter_corpus``)."""
+    beside = drafter_corpus(job.drafter)
+    found = [job.corpus, str(beside) if beside is not None else None]
+    return list(dict.fromkeys(path for path in found if path is not None))
 
 
 def tokenize_prompts(
@@ -107,9 +149,13 @@ def build_runners(
             from fastdecode.drafters.exits.adapter import load_adapter
 
             load_adapter(method.options["adapter"], m, tokenizer)
-        if job.corpus and method.spec.uses_corpus and not method.is_auto:  # foreign files fail here
-            load_corpus(job.corpus, m, corpus_fingerprint(tokenizer))
+        if job.corpus and method.spec.uses_corpus and not method.is_auto:
             method.options = corpus_options(method.options, job.corpus)
+        named = None if method.is_auto else named_corpus(method.options)  # ``auto``: the facade checks it
+        if (
+            named is not None
+        ):  # the job's or the method's own, against this tokenizer (a decoder: vocabulary size)
+            load_corpus(named, m, corpus_fingerprint(tokenizer), method.options.get("suffix"))
         if method.is_auto:
             runners[method.name] = AutoRunner(method, auto, job, m)
         elif method.spec.engine == "fastdecode":
@@ -177,7 +223,7 @@ def run(cfg: Any) -> dict:
 
     job, methods, exit_source = plan(cfg)
     check_corpus(job, methods)
-    records = read_prompt_records(job)  # a missing data file fails before any model loads
+    records, twins = prompt_records(job)  # a missing data file fails before any model loads
     check_writable(job.output_dir)  # a read-only output_dir fails here too, not after the benchmark
     m, tokenizer, draft, resolved = load_and_resolve(job, methods)
     methods = resolved.methods
@@ -208,6 +254,7 @@ def run(cfg: Any) -> dict:
         },
         "plan": resolved.plan.to_json() if resolved.plan is not None else None,
         "prompts": [pid for pid, _ in prompts],
+        "twins": twins,  # prompts dropped for a twin in the training split or a corpus' prompts
         "categories": categories,
         "skipped": skipped,
         "summary": summary,

@@ -24,7 +24,7 @@ from typing import Any
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.data.config import DataConfig, require_path
 from fastdecode.data.repeated import repeated_records
-from fastdecode.data.splits import SPLITS, split_records
+from fastdecode.data.splits import SPLITS, split_parts
 
 logger = logging.getLogger(__name__)
 
@@ -328,13 +328,18 @@ def load_records(cfg: DataConfig, split: str = "all") -> list[dict]:
     ``max_samples`` caps "train" (after the split, so the set-aside parts do not depend on it) and "all"
     (e.g. the first N benchmark questions); "held_out" and "grounded" are never capped.
     """
+    return load_split(cfg, split)[0]
+
+
+def load_split(cfg: DataConfig, split: str = "all") -> tuple[list[dict], int]:
+    """``load_records`` and how many records of the set-aside ``split`` (held_out, grounded) were dropped for a
+    twin in the training split (``splits.split_parts``; 0 for all and train)."""
     if split not in SPLITS:
         raise unknown_name_error("data split", split, list(SPLITS))
-    records = read_records(cfg)
+    records, twins = read_records(cfg), 0
     if split != "all":
-        parts = split_records(records, cfg.held_out, cfg.split_seed, cfg.grounded)
-        parts = dict(zip(SPLITS[1:], parts, strict=True))
-        records = parts[split]
+        parts = split_parts(records, cfg.held_out, cfg.split_seed, cfg.grounded)
+        records, twins = getattr(parts, split), parts.twins.get(split, 0)
     if split in ("all", "train") and cfg.max_samples is not None:
         records = records[: cfg.max_samples]
-    return records
+    return records, twins

@@ -1,7 +1,8 @@
 """Deterministic splits of a training set: the held-out conversations and the input-grounded requests.
 
 Both are set aside by hashing record ids, so a split depends on the ids only, and no training split ever
-contains them. ``grounded``: requests to rewrite, summarise, translate, fix, ... a text the turn itself gives
+contains them; a set-aside record whose first user turn has a twin in the training split (``twins.py``) is
+then dropped. ``grounded``: requests to rewrite, summarise, translate, fix, ... a text the turn itself gives
 (``is_grounded_request``), chosen first. ``held_out``: plain conversations, chosen among the rest. Why
 grounded requests matter: docs/design/data.md.
 """
@@ -11,6 +12,9 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import Counter
+from dataclasses import dataclass
+
+from fastdecode.data.twins import drop_twins, prompt_keys
 
 SPLITS = ("all", "train", "held_out", "grounded")
 
@@ -69,15 +73,25 @@ def _take(ranked: list[str], count: Counter, wanted: int) -> set[str]:
     return taken
 
 
-def split_records(
-    records: list[dict], held_out: int, seed: int, grounded: int = 0
-) -> tuple[list[dict], list[dict], list[dict]]:
-    """Deterministic, disjoint ``(train, held_out, grounded)``; each keeps the input order.
+@dataclass(frozen=True)
+class Split:
+    """The parts of a split, and per set-aside part how many records were dropped for a twin in ``train``."""
+
+    train: list[dict]
+    held_out: list[dict]
+    grounded: list[dict]
+    twins: dict[str, int]
+
+
+def split_parts(records: list[dict], held_out: int, seed: int, grounded: int = 0) -> Split:
+    """Deterministic, disjoint parts; each keeps the input order.
 
     ``grounded`` records are the first of the matching records (``is_grounded_request`` on the first user
     turn) by ``sha256(seed:grounded:id)``; ``held_out`` the first of the others by ``sha256(seed:id)`` (the
     held-out ranking of every earlier release). With unique ids exactly ``held_out`` and ``grounded`` records
-    are set aside (fewer grounded when fewer match).
+    are set aside (fewer grounded when fewer match); then those whose first user turn has a twin in the
+    training split (``twins.prefix_key``) are dropped: neither trained on nor evaluated, so the training split
+    is the one of every earlier release.
     """
     count = Counter(r["id"] for r in records)
     grounded_ids: set[str] = set()
@@ -87,5 +101,15 @@ def split_records(
     rest = [r for r in records if r["id"] not in grounded_ids]
     held_ids = _take(_ranked_ids(rest, seed, ""), count, held_out)
     train = [r for r in rest if r["id"] not in held_ids]
-    held = [r for r in rest if r["id"] in held_ids]
-    return train, held, [r for r in records if r["id"] in grounded_ids]
+    trained = prompt_keys(first_user_turn(r) for r in train)
+    held, held_twins = drop_twins([r for r in rest if r["id"] in held_ids], trained, first_user_turn)
+    aside, aside_twins = drop_twins([r for r in records if r["id"] in grounded_ids], trained, first_user_turn)
+    return Split(train, held, aside, {"held_out": held_twins, "grounded": aside_twins})
+
+
+def split_records(
+    records: list[dict], held_out: int, seed: int, grounded: int = 0
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """``(train, held_out, grounded)`` of ``split_parts``."""
+    parts = split_parts(records, held_out, seed, grounded)
+    return parts.train, parts.held_out, parts.grounded

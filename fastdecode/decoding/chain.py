@@ -65,6 +65,16 @@ def carried_books() -> Books | None:
     return _CARRIED.get()
 
 
+def as_run(name: str, retired: int | None) -> str:
+    """``name`` (a decoder, a planned chain) as it ran, given when its chain's fallback was retired
+    (``DecodeOutput.fallback_retired``: None, never; 0, from the start: the first stage drafted alone)."""
+    if retired is None:
+        return name
+    if retired == 0:
+        return f"{name}, its fallback retired from the start (earlier calls' books): the first stage alone"
+    return f"{name}, its fallback retired after round {retired}"
+
+
 class FirstStage(Proposer):
     """A chain's first stage: deterministic drafts from text. ``lookup(r)``: per row the tokens to draft this
     round (empty: none; rows that no longer decode draft nothing); ``learn(done)``: book how its drafts of the
@@ -141,11 +151,13 @@ class ChainProposer(Proposer):
         self.judge_after = judge_after
         self.books = Books() if books is None else books.carried()
         self.retired = False
+        self.rounds = 0  # rounds settled so far this call
+        self.retired_at: int | None = None  # the rounds settled when it was retired (0: at the start)
         if judge_after and self.books.against(judge_after):  # earlier calls' evidence: it does not pay
             self.retire()
 
     def retire(self) -> None:
-        self.retired = True
+        self.retired, self.retired_at = True, self.rounds
         self.fallback.retire()
 
     def start(self, m, prompts, capacity):
@@ -184,9 +196,12 @@ class ChainProposer(Proposer):
         )
 
     def finish(self, out) -> None:
+        """The first stage's ``finish``; ``out.fallback_retired``: when the fallback was retired (None: never)."""
+        out.fallback_retired = self.retired_at
         self.lookup.finish(out)
 
     def update(self, r: Round, draft: Draft, verdict: Verdict, done) -> None:
+        self.rounds += 1
         self.lookup.learn(done)
         self.fallback.update(r, draft, verdict, done)
         if self.judge_after and not self.retired:

@@ -177,6 +177,9 @@ class DecodeOutput:
     of positions: the latency proxy when decoding is memory-bound (self-speculation lowers this one).
     ``fast_forward`` (jacobi): tokens fixed per forward and row; ``stationary``: per converged block and row.
     ``by_proposer``: per proposer of a chain, accepted and drafted tokens and the row rounds it drafted in.
+    ``fallback_retired`` (a chain): the rounds the call had run when the chain's judge retired its fallback,
+    0 when it was retired from the start (the books of earlier calls: the first stage drafted alone); None
+    when it was not retired, or no chain ran.
     """
 
     tokens: list[list[int]]
@@ -191,6 +194,7 @@ class DecodeOutput:
     fast_forward: list[int] = field(default_factory=list)
     stationary: list[int] = field(default_factory=list)
     by_proposer: dict[str, list[int]] = field(default_factory=dict)  # name -> [accepted, drafted, rounds]
+    fallback_retired: int | None = None  # a chain's fallback retired after this many rounds (0: at the start)
 
     @property
     def num_tokens(self) -> int:

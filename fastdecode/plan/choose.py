@@ -9,16 +9,21 @@ reports the drafters not expected to pay in ``not_paying``. How candidates are f
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from fastdecode.decoding.kinds import PROPOSERS, Offer, PlanInputs, ProposerKind
+from fastdecode.files.file_cache import file_identity
 from fastdecode.plan.acceptance import AcceptanceRecord
 from fastdecode.plan.cost import CostModel, exit_draft_cost, expected_tokens
 from fastdecode.runtime.model import EarlyExitModel
 
 MAX_DRAFT = 8  # the longest draft considered
 MIN_SPEEDUP = 1.05  # a drafter is planned (an exit recommended) only if the cost model expects at least this
-LOOKUP_DRAFT = 6  # the most tokens a prompt-lookup draft may have (the cost-aware cut shortens each one)
+# the most tokens a prompt-lookup draft may have, alone or in a chain (the cost-aware cut shortens each one):
+# the bound LOOKUP_PRIOR was measured at
+LOOKUP_DRAFT = 6
 # Every option a candidate sets, so that nothing else (a checkpoint's defaults) can change what was priced.
 PLAN_OWNED = ("exit_layer", "adapter", "draft_vocab", "chain", "policy", "draft_tokens")
 LOOKUP_OPTIONS = {
@@ -35,13 +40,16 @@ LOOKUP_OPTIONS = {
 class LookupPrior:
     """Prompt lookup's rounds on text it was not tuned on: the share of rounds with a draft (``drafted``), the
     tokens such a round yields (``tokens``, the verifier's own included) and the tokens it drafts
-    (``width``). Measured by replaying SmolLM2-135M-Instruct's greedy answers to ShareGPT training prompts
-    (``fastdecode-lookup-replay``, docs/BENCHMARKS.md) under the 1-thread cost model of a quiet machine: the
-    adaptive cut drafts longer where verification is cheaper, so ``width`` belongs to that cost model."""
+    (``width``), with the adaptive cut at up to ``limit`` drafts (``policy="adaptive", draft_tokens=limit``:
+    what every candidate drafting by lookup runs). Measured by replaying SmolLM2-135M-Instruct's greedy
+    answers to ShareGPT training prompts (``fastdecode-lookup-replay``, docs/BENCHMARKS.md) under the 1-thread
+    cost model of a quiet machine: the adaptive cut drafts longer where verification is cheaper, so ``width``
+    belongs to that cost model."""
 
     drafted: float
     tokens: float
     width: float
+    limit: int
 
     def speedup(self, costs: CostModel, fallback: float = 1.0, ride: float = 0.0) -> float:
         """Expected speedup over plain decoding; with a ``fallback`` drafter (its own speedup) drafting the
@@ -52,7 +60,7 @@ class LookupPrior:
         return tokens / (q * (costs.verify(round(self.width) + 1) + ride) + (1 - q) / fallback)
 
 
-LOOKUP_PRIOR = LookupPrior(drafted=0.486, tokens=1.964, width=4.386)
+LOOKUP_PRIOR = LookupPrior(drafted=0.486, tokens=1.964, width=4.386, limit=LOOKUP_DRAFT)
 
 
 def tokens_per_round(offer: Offer, k: int) -> float:
@@ -114,13 +122,14 @@ def adapter_draft_costs(costs: CostModel, m: EarlyExitModel, adapters: dict, voc
 @dataclass
 class Candidate:
     """A lossless decoder the plan runs: ``method`` (a decoder name) with ``options`` (``DecodeConfig``
-    fields: every one it was priced with), its ``expected_speedup`` over plain decoding, and what it drafts
-    with (``drafter``, ``exit_layer``, the recorded ``acceptance`` and the priced draft length ``draft``)."""
+    fields: every one it was priced with), its ``expected_speedup`` over plain decoding (None: no prior is
+    recorded for what it runs, ``with_corpus``), and what it drafts with (``drafter``, ``exit_layer``, the
+    recorded ``acceptance`` and the priced draft length ``draft``)."""
 
     name: str
     method: str
     options: dict
-    expected_speedup: float
+    expected_speedup: float | None
     reason: str
     drafter: str = "prompt_lookup"
     exit_layer: int | None = None
@@ -141,9 +150,30 @@ class Plan:
         return {"candidates": [asdict(c) for c in self.candidates], "not_paying": self.not_paying}
 
 
+def ranked(candidates: list[Candidate]) -> list[Candidate]:
+    """``candidates`` by expected speedup, best first; those without one (no prior recorded) last."""
+    return sorted(candidates, key=lambda c: (c.expected_speedup is None, -(c.expected_speedup or 0.0)))
+
+
+def plan_files(*paths: str | os.PathLike | None) -> tuple:
+    """``file_identity`` (resolved path, size, mtime_ns) of what a plan reads from ``paths`` beside the model's
+    own record: a directory's files (a drafter's ``acceptance.json``, config, weights), a file itself; a
+    missing path or None is skipped. A plan kept under it is made again once one of them is rewritten."""
+    files: list[Path] = []
+    for path in (Path(p) for p in paths if p):
+        if path.is_dir():
+            files += sorted(f for f in path.iterdir() if f.is_file())
+        elif path.is_file():
+            files.append(path)
+    return file_identity(files)
+
+
 def _lookup(costs: CostModel) -> Candidate:
     speedup = LOOKUP_PRIOR.speedup(costs)
-    reason = "free drafts from the row's own text; a row with no match pays nothing"
+    reason = (
+        "free drafts from the row's own text; a row with no match pays nothing (priced by LOOKUP_PRIOR: "
+        f"the adaptive cut at up to {LOOKUP_PRIOR.limit} drafts, as it runs)"
+    )
     return Candidate("prompt_lookup", "prompt_lookup", dict(LOOKUP_OPTIONS), speedup, reason)
 
 
@@ -156,20 +186,36 @@ def with_corpus(candidate: Candidate, corpus: str) -> Candidate:
     Other candidates are returned as they are. Why: with a corpus of the model's own answers, suffix decoding
     drafted at least as well as prompt lookup on every measured prompt set (1.00-1.40x of it, one thread;
     docs/BENCHMARKS.md, issue 27); without one it did not on open chat, so a plan without a corpus keeps
-    prompt lookup. Its expected speedup stays prompt lookup's prior: no prior is recorded for a corpus."""
+    prompt lookup. Its ``expected_speedup`` is None: no prior is recorded for suffix decoding over a corpus
+    (prompt lookup's would price another drafter)."""
+    unpriced = "no prior is recorded for suffix decoding over a corpus: no expected speedup"
     if candidate.method == "prompt_lookup":
         options = candidate.options | {"draft_tokens": SUFFIX_DRAFT, "suffix": {"corpus": corpus}}
-        reason = "free drafts from the row's text, earlier outputs and the corpus (suffix decoding)"
+        reason = (
+            f"free drafts from the row's text, earlier outputs and the corpus (suffix decoding); {unpriced}"
+        )
         return replace(
-            candidate, name="suffix", method="suffix", options=options, reason=reason, drafter="suffix"
+            candidate,
+            name="suffix",
+            method="suffix",
+            options=options,
+            expected_speedup=None,
+            reason=reason,
+            drafter="suffix",
         )
     if candidate.options.get("chain"):
         options = candidate.options | {"suffix": {"first": True, "corpus": corpus}}
         name = candidate.name.replace("prompt_lookup+", "suffix+", 1)
-        return replace(
-            candidate, name=name, options=options, reason=f"suffix decoding first; {candidate.reason}"
-        )
+        reason = f"suffix decoding first; {candidate.reason}; {unpriced}"
+        return replace(candidate, name=name, options=options, expected_speedup=None, reason=reason)
     return candidate
+
+
+def draft_bound(kind: ProposerKind) -> int:
+    """The longest draft ``kind``'s offers are priced over: what its candidate may draft. A chainable kind runs
+    in a chain whose draft length bound is the one prompt lookup's prior was measured at
+    (``LOOKUP_PRIOR.limit``); a kind alone, any K up to ``MAX_DRAFT`` (it runs the K priced)."""
+    return LOOKUP_PRIOR.limit if kind.chainable else MAX_DRAFT
 
 
 def _candidate(kind: ProposerKind, offer: Offer, costs: CostModel, k: int, alone: float) -> Candidate:
@@ -178,13 +224,19 @@ def _candidate(kind: ProposerKind, offer: Offer, costs: CostModel, k: int, alone
         f" at E={offer.exit_layer}" if offer.exit_layer else ""
     )
     if kind.chainable:
-        options = offer.options | {"chain": True, "policy": "adaptive", "draft_tokens": MAX_DRAFT}
+        bound = draft_bound(kind)  # the chain drafts as the prior was measured, and the fallback was priced
+        options = offer.options | {"chain": True, "policy": "adaptive", "draft_tokens": bound}
         speedup = LOOKUP_PRIOR.speedup(costs, fallback=alone, ride=offer.ride_cost)
-        reason = f"prompt lookup, else {offer.drafter} ({acceptance}: {alone:.2f}x alone at K={k})"
+        reason = (
+            f"prompt lookup, else {offer.drafter} ({acceptance}: {alone:.2f}x alone at its best constant K={k} "
+            f"of 1..{bound}); priced with LOOKUP_PRIOR (the adaptive cut at up to {bound} drafts) and run "
+            f"adaptive at up to {bound} drafts"
+        )
         name = f"prompt_lookup+{offer.drafter.split(' ')[0]}"
     else:
         options = offer.options | {"chain": False, "policy": "constant", "draft_tokens": k}
-        speedup, reason, name = alone, f"{offer.drafter} ({acceptance}, K={k})", offer.drafter
+        speedup, name = alone, offer.drafter
+        reason = f"{offer.drafter} ({acceptance}, priced and run at constant K={k})"
     options = {key: options.get(key, LOOKUP_OPTIONS[key]) for key in PLAN_OWNED} | options
     return Candidate(
         name, kind.name, options, speedup, reason, offer.drafter, offer.exit_layer, offer.acceptance, k
@@ -200,7 +252,7 @@ def _priced(offers: list[tuple[ProposerKind, Offer]], costs: CostModel, plan: Pl
                 {"drafter": offer.drafter, "exit": offer.exit_layer, "reason": "no acceptance recorded"}
             )
             continue
-        k, speedup = price(offer, costs)
+        k, speedup = price(offer, costs, draft_bound(kind))
         if offer.drafter not in best or speedup > best[offer.drafter][0]:
             best[offer.drafter] = (speedup, k, kind, offer)
     for drafter, (speedup, k, kind, offer) in best.items():
@@ -237,5 +289,5 @@ def plan_decoding(
     offers = [(kind, offer) for kind in PROPOSERS.values() if kind.offers for offer in kind.offers(inputs)]
     plan = Plan([_lookup(costs)])
     _priced(offers, costs, plan)
-    plan.candidates.sort(key=lambda c: -c.expected_speedup)
+    plan.candidates = ranked(plan.candidates)
     return plan

@@ -26,6 +26,7 @@ from fastdecode.runtime.machine import machine_label
 from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.runtime.progress import human_seconds, phase
 from fastdecode.tokens import eos_ids
+from fastdecode.training.answers import generated_answers, write_answers
 from fastdecode.training.feature_config import FeatureConfig
 from fastdecode.training.feature_records import batch_features, generation_features, scored_positions
 
@@ -86,13 +87,14 @@ def _check_existing(directory: Path, header: dict, m: EarlyExitModel, tokenizer:
 
 
 def generation_prompts(train: list[dict], tokenizer, max_prompt_tokens: int) -> list[dict]:
-    """Chat-templated first user turns of the training examples (at most ``max_prompt_tokens``), in order."""
+    """Chat-templated first user turns of the training examples (at most ``max_prompt_tokens``), in order,
+    with their text (``prompt``)."""
     out = []
     for ex in train:
         if ex.get("prompt", "").strip():
             ids = user_prompt_ids(tokenizer, ex["prompt"])
             if len(ids) <= max_prompt_tokens:
-                out.append({"input_ids": ids})
+                out.append({"input_ids": ids, "prompt": ex["prompt"]})
     return out
 
 
@@ -195,8 +197,9 @@ def cache_training_features(
 ) -> ShardReader:
     """``build_features`` on the training split as ``fcfg.source`` says: its conversations teacher-forced
     (``data``), or the model's own greedy answers to their first user turns (``generate``, ending at the
-    model's EOS ids). One process at a time (a file lock beside the cache): the ranks of a launch, or runs
-    sharing a cache, wait for the one building it, then find it complete."""
+    model's EOS ids; the answers also written as ``answers.jsonl`` beside the cache, ``answers.py``). One
+    process at a time (a file lock beside the cache): the ranks of a launch, or runs sharing a cache, wait
+    for the one building it, then find it complete."""
     sources, eos = train, None
     if fcfg.source == "generate":
         sources = generation_prompts(train, tokenizer, fcfg.max_prompt_tokens)
@@ -204,7 +207,10 @@ def cache_training_features(
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(directory.parent / f"{directory.name}.lock", f"the feature cache {directory}"):
-        return build_features(m, tokenizer, sources, directory, fcfg, exits=exits, data=data, eos=eos)
+        reader = build_features(m, tokenizer, sources, directory, fcfg, exits=exits, data=data, eos=eos)
+        if fcfg.source == "generate":
+            write_answers(directory, generated_answers(reader, sources, tokenizer))
+        return reader
 
 
 def _feature_records(

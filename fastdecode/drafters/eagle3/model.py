@@ -33,13 +33,16 @@ class Eagle3ConfigError(ConfigError):
 
 def default_aux_layers(num_layers: int) -> list[int]:
     """The feature layers vLLM and speculators default to for a target of ``num_layers`` layers:
-    ``[2, L // 2, L - 3]`` (hidden-state indices; 0 is the embedding output)."""
-    if num_layers < 4:
+    ``[2, L // 2, L - 3]`` (hidden-state indices; 0 is the embedding output). Below 7 layers those ids
+    repeat or run backwards (``[2, 2, 1]`` at L = 4): refused, so a tiny target names its ids."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    if not ids[0] < ids[1] < ids[2]:
         raise Eagle3ConfigError(
-            f"a target of {num_layers} layers has no default EAGLE-3 feature layers [2, L // 2, L - 3]; "
-            "give aux_layer_ids explicitly"
+            f"a target of {num_layers} layers has no three distinct default EAGLE-3 feature layers "
+            f"(the rule [2, L // 2, L - 3] gives {ids}): give aux_layer_ids explicitly (ids in "
+            f"[0, {num_layers - 1}], hidden_states[i])"
         )
-    return [2, num_layers // 2, num_layers - 3]
+    return ids
 
 
 def check_aux_layer_ids(ids: Sequence[int], num_layers: int) -> None:

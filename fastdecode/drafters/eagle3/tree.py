@@ -1,10 +1,10 @@
 """EAGLE-2's dynamic draft trees (Li et al., 2024) drafted by the EAGLE-3 head (``decoder.eagle3.tree=true``).
 
 ``grow`` expands the tree level by level from the last accepted token's head row into a ``Pool``, each
-frontier node offering its top-k children; ``Pool.best`` keeps the N nodes of highest path probability (a
-tree, since a path's probability is at most its parent's), and ``node_budget`` picks N with a cost-aware
-policy. The caller crops the head's cache back afterwards (``Eagle3Proposer.propose_tree``). Design notes:
-docs/design/drafters.md.
+frontier node offering its top-k children, until no deeper node could be kept (``Pool.settled``);
+``Pool.best`` keeps the N nodes of highest path probability (a tree, since a path's probability is at most its
+parent's), and ``node_budget`` picks N with a cost-aware policy. The caller crops the head's cache back
+afterwards (``Eagle3Proposer.propose_tree``). Design notes: docs/design/drafters.md.
 """
 
 from __future__ import annotations
@@ -32,6 +32,16 @@ class Pool:
         index = torch.arange(self.size, self.size + tokens.shape[1], device=tokens.device)
         self.size += tokens.shape[1]
         return index
+
+    def settled(self, frontier: torch.Tensor, keep: int) -> bool:
+        """Whether no descendant of ``frontier`` (``[B, F]`` log path probabilities) can be among any row's
+        ``keep`` best nodes: the pool holds ``keep`` nodes scoring at least the frontier's best (a child
+        scores at most its parent, and a tie keeps the earlier node), so expanding further changes no
+        ``best(width)`` with ``width <= keep``."""
+        if keep <= 0 or self.size < keep:
+            return keep <= 0
+        bar = torch.cat(self.scores, 1).topk(keep, -1).values[:, -1]  # [B] each row's keep-th best
+        return bool((frontier.max(-1).values <= bar).all())
 
     def best(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The ``width`` best nodes per row, in pool order -> ``(tokens [B, N] draft ids, parents [B, N]
@@ -63,11 +73,15 @@ def grow(
     *,
     levels: int,
     top_k: int,
+    keep: int | None = None,
 ) -> tuple[Pool, int]:
     """Expand the tree from t's row ``first = (logits [B, 1, S], hidden [B, 1, H])`` (t at ``positions
     [B]``; ``vocab [S]``: the target ids of the head's columns) for ``levels`` levels on ``rows`` (a
     ``HeadRows``; its tree rows are left for the caller to crop) -> (the pool of offered nodes, head passes
-    run)."""
+    run). ``keep``: the most nodes the caller takes (``Pool.best``; default ``levels``, the draft length that
+    bounds the node budget): a level none of whose nodes could be among them is not expanded
+    (``Pool.settled``), so the nodes taken are those of the full tree with fewer head passes."""
+    keep = levels if keep is None else keep
     logits, hidden = first
     base, pool = len(rows), Pool()
     top = torch.log_softmax(logits[:, -1].float(), -1).topk(top_k, -1)  # [B, k]
@@ -78,6 +92,8 @@ def grow(
     committed = rows.cache.key_valid[:, :base]
     passes = 0
     for depth in range(1, levels):
+        if pool.settled(scores, keep):
+            break
         mask = tree_keys(committed, ancestors)
         on = torch.ones_like(tokens, dtype=torch.bool)
         at = (positions[:, None] + depth).expand_as(tokens)
@@ -88,10 +104,10 @@ def grow(
         offered = (scores[:, :, None] + child.values).flatten(1)  # [B, F*k]
         parent = frontier[:, :, None].expand(-1, -1, top_k).flatten(1)
         index = pool.offer(child.indices.flatten(1), offered, parent)
-        keep = offered.topk(min(top_k, offered.shape[1]), -1).indices  # [B, k']: the next frontier
-        source = keep // top_k  # their parents' frontier slots
-        tokens = child.indices.flatten(1).gather(1, keep)
-        scores, frontier = offered.gather(1, keep), index[keep]
+        best = offered.topk(min(top_k, offered.shape[1]), -1).indices  # [B, k']: the next frontier
+        source = best // top_k  # their parents' frontier slots
+        tokens = child.indices.flatten(1).gather(1, best)
+        scores, frontier = offered.gather(1, best), index[best]
         parent_hidden = out.gather(1, source[:, :, None].expand(-1, -1, out.shape[-1]))
         ancestors = mine.gather(1, source[:, :, None].expand(-1, -1, mine.shape[-1]))
     return pool, passes

@@ -222,8 +222,9 @@ class SuffixIndex:
     def ranked(self, node: SuffixNode) -> list[tuple[int, SuffixNode]]:
         """``node``'s children as ``(token, child)``, most frequent first, ties by token id (not to be mutated).
 
-        Memoised on the node until the counts change (``version``): a read-only corpus, or the global index
-        during a call, ranks a node's children once (a short match's node may have thousands of them)."""
+        Memoised on the node until the counts change (``version``): the global index during a call ranks a
+        node's children once (a short match's node may have thousands of them). A corpus memoises in a bounded
+        LRU instead (``corpus.CorpusIndex``)."""
         memo = node.order
         if memo is not None and memo[0] == self.version:
             return memo[1]

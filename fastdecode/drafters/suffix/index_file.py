@@ -60,10 +60,13 @@ def digest(header: dict[str, Any], body: bytes) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode() + body).hexdigest()
 
 
-def save_index(path: str | os.PathLike, index: SuffixIndex, *, fingerprint: Any) -> Path:
+def save_index(
+    path: str | os.PathLike, index: SuffixIndex, *, fingerprint: Any, prompt_keys: list[str] | None = None
+) -> Path:
     """Write ``index`` to ``path`` atomically; ``fingerprint`` (JSON: e.g. ``identity.tokenizer_fingerprint``
     of the tokenizer that made the token ids) is what ``load_index`` will require. Sequence ids must be ints
-    or strings (they go into the JSON header)."""
+    or strings (they go into the JSON header). ``prompt_keys``: strings identifying the prompts the corpus
+    answers (the header's ``prompt_keys``, so an evaluation can exclude them; absent: not recorded)."""
     state = index.state()
     if not all(isinstance(i, (int, str)) for i in state["ids"]):
         raise ValueError("suffix index files keep sequence ids that are ints or strings")
@@ -80,6 +83,8 @@ def save_index(path: str | os.PathLike, index: SuffixIndex, *, fingerprint: Any)
         "ids": state["ids"],
         "body_bytes": len(body),
     }
+    if prompt_keys is not None:
+        header["prompt_keys"] = sorted(set(prompt_keys))
     header["sha256"] = digest(header, body)
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
@@ -91,13 +96,28 @@ def save_index(path: str | os.PathLike, index: SuffixIndex, *, fingerprint: Any)
 
 def read_header(path: Path) -> tuple[dict[str, Any], bytes]:
     """``(header, body)`` of a file of our format and version; else the named error."""
+    header = header_of(path)
     try:
-        data = path.read_bytes()
+        return header, path.read_bytes().partition(b"\n")[2]
     except OSError as err:
-        raise NotASuffixIndexError(
-            f"suffix index {str(path)!r}: cannot read it ({err}); build or rebuild it with {COMMAND}."
-        ) from err
-    line, _, body = data.partition(b"\n")
+        raise unreadable(path, err) from err
+
+
+def unreadable(path: Path, err: OSError) -> NotASuffixIndexError:
+    """The error for a file that cannot be read (missing, a directory, no permission)."""
+    return NotASuffixIndexError(
+        f"suffix index {str(path)!r}: cannot read it ({err}); build or rebuild it with {COMMAND}."
+    )
+
+
+def header_of(path: Path) -> dict[str, Any]:
+    """The header of a file of our format and version, its first line read alone (not the body); else the
+    named error."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline()
+    except OSError as err:
+        raise unreadable(path, err) from err
     try:
         header = json.loads(line)
         found = header.get("format") if isinstance(header, dict) else None
@@ -113,7 +133,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], bytes]:
             f"suffix index {str(path)!r} has format version {header.get('version')!r}; this fastdecode reads "
             f"version {VERSION}: {REBUILD} (or use the fastdecode that wrote it)."
         )
-    return header, body
+    return header
 
 
 def check_fingerprint(path: Path, found: Any, fingerprint: Any) -> None:
@@ -156,16 +176,23 @@ def whole_file(path: Path) -> tuple[dict[str, Any], bytes]:
 
 
 def index_of(
-    path: Path, header: dict[str, Any], body: bytes, *, stop: Iterable[int] = (), eos: str = "before"
+    path: Path,
+    header: dict[str, Any],
+    body: bytes,
+    *,
+    stop: Iterable[int] = (),
+    eos: str = "before",
+    kind: type[SuffixIndex] = SuffixIndex,
 ) -> SuffixIndex:
-    """The index a ``whole_file`` describes; ``stop``/``eos``: as ``SuffixIndex``."""
+    """The index a ``whole_file`` describes, a ``kind`` (a corpus: ``corpus.CorpusIndex``); ``stop``/``eos``:
+    as ``SuffixIndex``."""
     arrays = np.frombuffer(body, dtype="<i8")
     sizes = [header["sequences"], header["tokens"]] + [header["nodes"]] * 5
     state: dict[str, list[Any]] = {"ids": header["ids"]}
     for column, start, size in zip(COLUMNS, np.cumsum([0, *sizes[:-1]]), sizes, strict=True):
         state[column] = arrays[start : start + size].tolist()
     try:
-        return SuffixIndex.from_state(
+        return kind.from_state(
             state, header["max_depth"], max_sequences=header["max_sequences"], stop=stop, eos=eos
         )
     except (ValueError, KeyError, IndexError, TypeError) as err:

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.decoding.config import DecodeConfig, DrafterOptions
-from fastdecode.drafters.suffix.sources import corpus_of
+from fastdecode.drafters.suffix.sources import MAX_CORPUS_BYTES, corpus_of
 
 EOS_CUTS = ("before", "after")  # decoder.suffix.eos
 
@@ -30,9 +30,10 @@ class SuffixOptions(DrafterOptions, group="suffix"):
     the outputs of earlier calls of this process kept in the global index (the oldest evicted first; 0: no
     global index); ``global_tokens``: the tokens it keeps at most (its memory grows with them; the oldest
     outputs evicted first); ``corpus``: a suffix index file (``fastdecode-suffix-index``), read only, or null;
-    ``eos``: ``before`` (an EOS is never drafted) or ``after`` (it may end a branch); ``first``: with
-    ``decoder.chain=true``, suffix decoding is the chain's first stage instead of prompt lookup (chains only:
-    ``tree`` must be false; ``check_call``)."""
+    ``max_corpus_bytes``: a larger corpus file is refused before it is read (loaded, it takes several times
+    its size in memory); ``eos``: ``before`` (an EOS is never drafted) or ``after`` (it may end a branch);
+    ``first``: with ``decoder.chain=true``, suffix decoding is the chain's first stage instead of prompt
+    lookup (chains only: ``tree`` must be false; ``check_call``)."""
 
     max_depth: int = 64
     min_match: int = 1
@@ -41,6 +42,7 @@ class SuffixOptions(DrafterOptions, group="suffix"):
     global_size: int = 4096
     global_tokens: int = 1_000_000
     corpus: str | None = None
+    max_corpus_bytes: int = MAX_CORPUS_BYTES
     eos: str = "before"
     first: bool = False
 
@@ -58,6 +60,7 @@ class SuffixOptions(DrafterOptions, group="suffix"):
             "min_prob": (0 <= self.min_prob <= 1, "need a probability in [0, 1]"),
             "global_size": (self.global_size >= 0, "need >= 0 (0: no global index)"),
             "global_tokens": (self.global_tokens >= 1, "need >= 1 (global_size=0: no global index)"),
+            "max_corpus_bytes": (self.max_corpus_bytes >= 1, "need >= 1 (the largest corpus file read)"),
         }
         for key, (ok, why) in problems.items():
             if not ok:

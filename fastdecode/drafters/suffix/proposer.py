@@ -21,6 +21,7 @@ from fastdecode.decoding.tree import row_depths
 from fastdecode.drafters.suffix.index import SuffixDraft, SuffixIndex
 from fastdecode.drafters.suffix.options import SuffixOptions
 from fastdecode.drafters.suffix.sources import carried, corpus_of, global_index, remember
+from fastdecode.files.file_cache import file_identity
 from fastdecode.plan.acceptance import MATCH_PRIOR
 from fastdecode.plan.cost import best_node_budget
 from fastdecode.runtime.model import EarlyExitModel
@@ -36,7 +37,8 @@ def bin_of(source: str, match: int, ratio: float) -> tuple[str, int, int]:
 
 class Calibration:
     """Acceptance of a drafted node given its parent was accepted, per bin (``bin_of``), over a prior. Shared
-    by the calls on a model (``sources.carried``): ``lock`` guards its updates."""
+    by the calls on a model that draft the same shape over the same corpus (``carried_calibration``): ``lock``
+    guards its updates."""
 
     def __init__(self) -> None:
         self.counts: dict[tuple[str, int, int], list[float]] = {}
@@ -87,6 +89,15 @@ class Calibration:
                     tally[1] += 1
 
 
+def carried_calibration(m: EarlyExitModel, options: SuffixOptions) -> Calibration:
+    """The calibration that calls on ``m`` with these options carry on (``sources.carried``), one per draft
+    shape and corpus file version (None: no corpus): acceptance per bin depends on both (a tree's second
+    child is tried where a chain never drafts one; another corpus drafts other continuations). A chain's
+    first stage drafts the chains suffix decoding alone does, verified alike: it shares theirs."""
+    corpus = None if options.corpus is None else file_identity([options.corpus])
+    return carried(m, ("calibration", "tree" if options.tree else "chain", corpus), Calibration)
+
+
 @dataclass
 class SuffixChoice:
     """One row's draft this round: which index it came from, the draft, its nodes' calibrated scores."""
@@ -129,7 +140,7 @@ class SuffixProposer(FirstStage):
         corpus = corpus_of(s.m, options, stop)
         if corpus is not None:
             self.shared["corpus"] = corpus
-        self.calibration = carried(s.m, "calibration", Calibration).carried()
+        self.calibration = carried_calibration(s.m, options).carried()
         self.drafted: list[SuffixChoice | None] = [None] * len(s.prompts)
         self.before: list[int] = [0] * len(s.prompts)  # each row's emitted tokens when it drafted
         self.round: Round | None = None  # the round it last drafted in (its rows: the emitted tokens)
@@ -196,8 +207,8 @@ class SuffixProposer(FirstStage):
 
 
 def check_suffix(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=None) -> None:
-    """Refuse an exit layer, and a corpus file that is damaged, foreign or for another vocabulary (loaded
-    here, once per file version, before any decoding)."""
+    """Refuse an exit layer, and a corpus file that is damaged, foreign, for another vocabulary or over
+    ``max_corpus_bytes`` (loaded here, once per file version, before any decoding)."""
     refuse_exit_layer("suffix", cfg)
     corpus_of(m, SuffixOptions.of(cfg), cfg.eos_ids)
 
