@@ -80,7 +80,13 @@ def run(argv: list[str]) -> dict:
     model, tokenizer = load_model(cfg)
     m = EarlyExitModel(model.eval().requires_grad_(False))
     vocab = min(args.draft_vocab_size, m.vocab_size)
-    config = Eagle3Config.from_target(model.config, draft_vocab_size=vocab, norm_before_residual=False)
+    layers = (
+        model.config.num_hidden_layers
+    )  # a tiny target, where the default ids repeat: three distinct ones
+    aux = None if layers >= 7 else sorted({1, layers // 2, layers - 1})
+    config = Eagle3Config.from_target(
+        model.config, draft_vocab_size=vocab, aux_layer_ids=aux, norm_before_residual=False
+    )
     head = Eagle3Head(config).to(m.device)  # trained in float32, as the recipe trains it
     result = {"model": args.model, "device": str(m.device), "dtype": str(m.dtype).replace("torch.", "")}
     result |= training_step(m, head, args.batch, args.length, args.steps)
