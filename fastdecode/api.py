@@ -53,7 +53,7 @@ AUTO = "auto"  # generate(method=AUTO): the plan's first decoder (fastdecode/pla
 # beside an EAGLE-3 head (recipe=eagle3's final/): a suffix corpus of the answers it was trained on, read by auto
 DRAFTER_CORPUS = "corpus.sfx"
 # DecodeConfig fields that select the execution engine and the cost model: what a plan depends on
-ENGINE_FIELDS = ("fast_layers", "fast_linear", "linear_kernel", "static_cache", "compile", "costs")
+ENGINE_FIELDS = ("fast_layers", "fast_linear", "linear_kernel", "static_cache", "compile", "costs", "weights")
 
 
 @dataclasses.dataclass

@@ -13,6 +13,7 @@ import importlib.resources
 import os
 import types
 import typing
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -106,6 +107,19 @@ def convert_value(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+# class -> its resolved type hints, read once: a class's annotations are fixed when it is defined (a class
+# defined again is another key), and resolving them is most of what ``to_dataclass`` costs a ``generate`` call
+_HINTS: weakref.WeakKeyDictionary[type, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, resolved once per class."""
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = get_type_hints(cls)
+    return hints
+
+
 def to_dataclass(cls: type[T], node: Any, where: str = "config") -> T:
     """Build dataclass ``cls`` from a mapping, rejecting unknown keys and wrongly typed values.
 
@@ -118,7 +132,7 @@ def to_dataclass(cls: type[T], node: Any, where: str = "config") -> T:
         node = {}
     if not isinstance(node, Mapping):
         raise ConfigError(f"{where}: expected a mapping of {cls.__name__} fields, got {node!r}.")
-    hints = get_type_hints(cls)
+    hints = type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     open_groups = cls.open_groups() if hasattr(cls, "open_groups") else {}  # keys gathered into ``groups``
     kwargs, groups = {}, {}

@@ -70,7 +70,8 @@ FIRST_STAGES.update(
 
 def locked(decoder: Decoder) -> Decoder:
     """``decoder`` holding its models' locks for the whole call (``runtime.model_lock``; a draft model's too,
-    taken in one order): calls on one model from several threads run one at a time, each as it would alone."""
+    taken in one order): calls on one model from several threads run one at a time, each as it would alone.
+    The output names the weights the products read (``DecodeOutput.weights``)."""
 
     @functools.wraps(decoder)
     def call(
@@ -80,7 +81,10 @@ def locked(decoder: Decoder) -> Decoder:
         with contextlib.ExitStack() as held:
             for _, lock in sorted(locks.items()):
                 held.enter_context(lock)
-            return decoder(m, prompts, cfg, draft)
+            out = decoder(m, prompts, cfg, draft)
+            if isinstance(out, DecodeOutput):
+                out.weights = m.engine.options.weights.label if m.engine is not None else "fp32 (HF modules)"
+            return out
 
     return call
 

@@ -37,6 +37,9 @@ class RegenerateJob:
     max_new_tokens: int = 192
     max_prompt_tokens: int = 256  # longer prompts are skipped (they would dominate a CPU batch)
     batch_size: int = 8
+    weights: str = (
+        "auto"  # decoder.weights: auto = a GGUF's 4-bit blocks where exact (fastdecode/runtime/weights.py)
+    )
     output: str = "data/${data.name}-${model.name}.jsonl"
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)  # url None: in-process
 
@@ -76,7 +79,9 @@ def run(cfg: Any) -> dict:
         return {"written": len(lines), "new": 0, "output": str(out)}
     m = EarlyExitModel(model)
     decode = get_decoder("autoregressive")
-    dcfg = DecodeConfig(max_new_tokens=job.max_new_tokens, eos_token_id=sorted(eos_ids(model, tokenizer)))
+    eos = sorted(eos_ids(model, tokenizer))
+    dcfg = DecodeConfig(max_new_tokens=job.max_new_tokens, eos_token_id=eos, weights=job.weights)
+    logger.info("regenerate: the model's products read %s", m.resolve_weights(job.weights).label)
     start = len(lines)
     for b in range(start, len(prompts), job.batch_size):
         batch = prompts[b : b + job.batch_size]

@@ -52,13 +52,23 @@ class Rule:
 
 
 ENGINE_RULE = (
-    "`runtime.cache` imports only `config`; `runtime.fast_linear` nothing from fastdecode; `runtime.engine` "
-    "only `config` and `runtime.fast_linear`; `runtime.families` only `config`; `runtime.exit_blocks` only "
+    "`runtime.cache` imports only `config`; `runtime.fast_linear` and `runtime.gguf_blocks` nothing from "
+    "fastdecode; `runtime.quant_linear` only `runtime.gguf_blocks`; `runtime.weights` only `config`, `files.checkpoint`, "
+    "`runtime.fast_linear`, `runtime.gguf_blocks` and `runtime.quant_linear`; `runtime.engine` only `config`, "
+    "`runtime.fast_linear` and `runtime.weights`; `runtime.families` only `config`; `runtime.exit_blocks` only "
     "`config`, `runtime.cache` and `runtime.families`; `runtime.engine_build` only `runtime.engine`, "
-    "`runtime.fast_linear` and `runtime.families`; `runtime.model` only `config`, `runtime.model_lock` and those "
-    "six (the engine)."
+    "`runtime.fast_linear`, `runtime.families` and `runtime.weights`; `runtime.model` only `config`, "
+    "`runtime.model_lock`, `runtime.engine_build` and the engine's other modules."
 )
-ENGINE = ("runtime.cache", "runtime.engine", "runtime.fast_linear", "runtime.families", "runtime.exit_blocks")
+WEIGHTS = ("runtime.gguf_blocks", "runtime.quant_linear", "runtime.weights")
+ENGINE = (
+    "runtime.cache",
+    "runtime.engine",
+    "runtime.fast_linear",
+    "runtime.families",
+    "runtime.exit_blocks",
+    *WEIGHTS,
+)
 # The model seam: the only modules that touch Hugging Face model internals (docs/ARCHITECTURE.md).
 MODEL_SEAM = ("runtime.model", "runtime.families", "runtime.engine_build", "runtime.exit_blocks")
 # One package per drafter: every ``fastdecode/drafters/<name>/`` (a new one is checked without an edit here).
@@ -84,10 +94,24 @@ RULES = [
         for area, only in {
             "runtime.cache": ("config",),
             "runtime.fast_linear": (),
-            "runtime.engine": ("config", "runtime.fast_linear"),
+            "runtime.gguf_blocks": (),
+            "runtime.quant_linear": ("runtime.gguf_blocks",),
+            "runtime.weights": (
+                "config",
+                "files",
+                "runtime.fast_linear",
+                "runtime.gguf_blocks",
+                "runtime.quant_linear",
+            ),
+            "runtime.engine": ("config", "runtime.fast_linear", "runtime.weights"),
             "runtime.families": ("config",),
             "runtime.exit_blocks": ("config", "runtime.cache", "runtime.families"),
-            "runtime.engine_build": ("runtime.engine", "runtime.fast_linear", "runtime.families"),
+            "runtime.engine_build": (
+                "runtime.engine",
+                "runtime.fast_linear",
+                "runtime.families",
+                "runtime.weights",
+            ),
             "runtime.model": ("config", "runtime.model_lock", "runtime.engine_build", *ENGINE),
         }.items()
     ),

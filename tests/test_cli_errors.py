@@ -40,6 +40,8 @@ BAD_INPUT = {
     "fastdecode-export-exit": ("export_exit", ["exit_layer=abc", "checkpoint=nosuch"], "exit_layer"),
     "fastdecode-eagle3-check": ("eagle3_check", ["model=nosuch"], "nosuch"),
     "fastdecode-suffix-index": ("suffix_index", ["max_depth=abc", "model=tiny-llama"], "max_depth"),
+    "fastdecode-call-overhead": ("call_overhead", ["--tokens", "0", "--model", "tiny-llama"], "--tokens"),
+    "fastdecode-llamacpp": ("llamacpp", ["--threads", "abc"], "--threads"),
 }
 
 

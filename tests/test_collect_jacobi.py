@@ -188,5 +188,7 @@ def test_smollm2_sharegpt_fixed_points_are_greedy(tmp_path):
         run(compose("collect_jacobi", overrides=overrides))
     records = _records(out)
     hf, _ = load_model(load_group("model", "smollm2-135m", ModelConfig, dtype="float32", device="cpu"))
-    greedy = DECODERS["autoregressive"](EarlyExitModel(hf), [r["prefix"] for r in records], DecodeConfig(16))
+    # the trajectories are the fp32 model's (the model CLLM trains), not the GGUF's 4-bit path decoding's
+    fp32 = DecodeConfig(16, weights="fp32")
+    greedy = DECODERS["autoregressive"](EarlyExitModel(hf), [r["prefix"] for r in records], fp32)
     assert [r["fixed_point"] for r in records] == greedy.tokens

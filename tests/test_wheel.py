@@ -81,6 +81,8 @@ def test_console_scripts_compose_and_train_from_another_folder(venv, tmp_path):
             "model" in _run([str(venv / "bin" / script), "--cfg", "job", "model=tiny-llama"], tmp_path).stdout
         )
     assert "--steps" in _run([str(venv / "bin" / "fastdecode-train-cost"), "--help"], tmp_path).stdout
+    assert "--tokens" in _run([str(venv / "bin" / "fastdecode-call-overhead"), "--help"], tmp_path).stdout
+    assert "--gguf" in _run([str(venv / "bin" / "fastdecode-llamacpp"), "--help"], tmp_path).stdout
     export = [str(venv / "bin" / "fastdecode-export-exit"), "--cfg", "job", "checkpoint=some/final"]
     assert "exit_layer" in _run(export, tmp_path).stdout  # no model group: the checkpoint is the model
     check = [str(venv / "bin" / "fastdecode-eagle3-check"), "model=tiny-llama", "model.device=cpu", "out=e3"]
@@ -91,6 +93,8 @@ def test_console_scripts_compose_and_train_from_another_folder(venv, tmp_path):
     others = {
         "fastdecode-train",
         "fastdecode-train-cost",
+        "fastdecode-call-overhead",
+        "fastdecode-llamacpp",
         "fastdecode-export-exit",
         "fastdecode-eagle3-check",
     }

@@ -43,6 +43,7 @@ MD_COLUMNS = [
     ("layers/token", "layers_per_token", "{:.1f}"),
     ("match vs baseline", "match_rate", "{:.3f}"),
     ("peak MB", "peak_memory_mb", "{:.0f}"),
+    ("weights", "weights", None),
 ]
 
 

@@ -169,6 +169,7 @@ def summarise(records: list[Record], baseline: str | None, hf_baseline: str | No
         mean, std = _mean_std(list(by_repeat.values()))
         tps = tokens / time if time > 0 else None
         row = {"method": method, "temperature": temp, "batch_size": size, "calls": len(recs)}
+        row["weights"] = next((r.out.weights for r in recs if r.out.weights), None)
         row |= {"new_tokens": tokens, "wall_time_s": time, "tokens_per_s": tps}
         row |= {"ms_per_token": 1000 * time / tokens if tokens else None}
         row |= {"tokens_per_s_mean": mean, "tokens_per_s_std": std}

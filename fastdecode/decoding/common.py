@@ -34,6 +34,7 @@ def configure_engine(m: EarlyExitModel, cfg: DecodeConfig) -> None:
             kernel=cfg.linear_kernel,
             static_cache=cfg.static_cache,
             compile=cfg.compile,
+            weights=m.resolve_weights(cfg.weights),
         )
     )
 

@@ -16,6 +16,7 @@ from fastdecode.decoding.policies import POLICIES
 from fastdecode.jacobi import JacobiOptions
 from fastdecode.plan.cost import SOURCES as COST_SOURCES
 from fastdecode.runtime.fast_linear import KERNELS
+from fastdecode.runtime.weights import WEIGHTS
 from fastdecode.skipdecode import SkipOptions
 
 OptionsT = TypeVar("OptionsT", bound="DrafterOptions")
@@ -109,6 +110,9 @@ class DecodeConfig:
     linear_kernel: str | None = None  # null: per number of rows, by measurement; or linear | mkl | dnn
     static_cache: bool | None = None  # the static-shape cache mode (null: only when compiling)
     compile: bool = False  # torch.compile of each layer range per number of new tokens (static cache)
+    # what the products read (fastdecode/runtime/weights.py): auto (a GGUF's 4-bit blocks as shipped where they
+    # are exact, on a CPU; else fp32) | fp32 | int4 (shipped where exact, else quantised at load) | int8
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
         self.groups = typed_groups(self.groups)
@@ -135,6 +139,8 @@ class DecodeConfig:
             raise unknown_name_error(
                 "linear kernel", self.linear_kernel, list(KERNELS), "(decoder.linear_kernel)"
             )
+        if self.weights not in WEIGHTS:
+            raise unknown_name_error("weights", self.weights, list(WEIGHTS), "(decoder.weights)")
         if self.costs not in COST_SOURCES:
             raise unknown_name_error("cost model", self.costs, list(COST_SOURCES), "(decoder.costs)")
         if self.compile and self.static_cache is False:
@@ -195,6 +201,7 @@ class DecodeOutput:
     stationary: list[int] = field(default_factory=list)
     by_proposer: dict[str, list[int]] = field(default_factory=dict)  # name -> [accepted, drafted, rounds]
     fallback_retired: int | None = None  # a chain's fallback retired after this many rounds (0: at the start)
+    weights: str | None = None  # what the products read (``Weights.label``), set by every registered decoder
 
     @property
     def num_tokens(self) -> int:

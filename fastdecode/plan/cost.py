@@ -312,7 +312,7 @@ def measure_exit_draft(
 def decoding_costs(m: EarlyExitModel, source: str = "measured", *, batch: int = 1) -> CostModel:
     """The cost model of decoding with ``m`` outside a decoder (reports, recipes): selects the device's
     default execution engine on ``m`` first (what the decoders run by default), then ``cost_model``."""
-    m.use_engine(default_options(m.device))
+    m.use_engine(default_options(m.device, weights=m.resolve_weights("auto")))
     return cost_model(m, source, batch=batch)
 
 
@@ -320,7 +320,10 @@ def _store_key(m: EarlyExitModel, probes: Sequence[int], batch: int) -> str:
     """The store's key within the file of ``m``'s weights on this machine: what was measured, the model's
     dtypes, attention and library versions (``load_identity``), the engine, threads, batch and probed T."""
     engine = m.engine
-    options = "hf" if engine is None else ",".join(f"{k}={v}" for k, v in asdict(engine.options).items())
+    options = "hf"
+    if engine is not None:  # the weights by their key (shipped or quantised at load), not their blocks
+        named = {f.name: getattr(engine.options, f.name) for f in fields(engine.options)}
+        options = ",".join(f"{k}={v.key if k == 'weights' else v}" for k, v in named.items())
     threads = torch.get_num_threads()
     return f"layers+head+pad|{load_identity(m.hf)}|{options}|threads={threads}|batch={batch}|T={list(probes)}"
 

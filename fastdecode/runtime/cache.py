@@ -49,6 +49,7 @@ class KVCache:
         # (first slot, [B, W, W] bool) while a token tree is verified (``speculative.verify``): among the W
         # slots from the first, a query attends only to the keys this block mask allows (its ancestors)
         self.block: tuple[int, torch.Tensor] | None = None
+        self._rows: tuple | None = None  # query_rows' last answer: (mask, (steps, span), rows)
         self._allocated()
 
     @staticmethod
@@ -153,6 +154,49 @@ class KVCache:
     def attended(self, end: int) -> int:
         """How many slots attention spans when the filled prefix ends at ``end``."""
         return end
+
+    def query_rows(self, mask: torch.Tensor | None, steps: int, span: int) -> list | None:
+        """For ``steps`` queries at the last slots of ``span``: each one's (keys, mask) as a one-query step at
+        its slot has them, for attention computed one query at a time, bitwise as decoding one token does
+        (the 4-bit path). Keys: the slots it attends (a chain: its prefix, or in the static mode all of them;
+        a token tree, one row: the prefix and its ancestors, as an index); mask: its row of ``mask``, or None
+        where that step needs none (``layer_mask``). None where no step computes it so (a tree in a batch or
+        in the static mode). Memoised per mask: every layer of a forward shares it."""
+        found = self._rows
+        if found is not None and found[0] is mask and found[1] == (steps, span):
+            return found[2]
+        if self.block is not None and (self.static or self.batch_size > 1):
+            rows = None
+        elif self.block is not None:
+            rows = self._tree_rows(mask, steps)
+        else:
+            rows = []
+            for i in range(steps):
+                end = span if self.static else span - steps + i + 1
+                row = None if mask is None else mask[:, :, i : i + 1, :end]
+                if (
+                    row is not None
+                    and _maskless(self, end - 1, 1, None, causal=True)
+                    and not (row != 0).any()
+                ):
+                    row = None
+                rows.append((end, row))
+        self._rows = (mask, (steps, span), rows)
+        return rows
+
+    def _tree_rows(self, mask: torch.Tensor | None, steps: int) -> list:
+        """``query_rows`` of a token tree's nodes (one row): the prefix slots and the node's ancestors (itself
+        included), in slot order: the cache a one-token step of that branch would hold."""
+        first, among = self.block
+        prefix = torch.arange(first, device=among.device)
+        rows = []
+        for i in range(steps):
+            keys = torch.cat([prefix, first + among[0, i].nonzero().flatten()])
+            row = None if mask is None else mask[:, :, i : i + 1].index_select(3, keys)
+            if row is not None and bool(self.key_valid[0].index_select(0, keys).all()):
+                row = None
+            rows.append((keys, row))
+        return rows
 
 
 class StaticKVCache(KVCache):

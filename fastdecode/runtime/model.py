@@ -20,6 +20,7 @@ from fastdecode.runtime.engine_build import build_engine, lean_range, lean_suppo
 from fastdecode.runtime.exit_blocks import exit_block
 from fastdecode.runtime.families import family_of, kv_geometry, submodule
 from fastdecode.runtime.model_lock import model_lock
+from fastdecode.runtime.weights import Weights, resolve_weights
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 MAX_COMPILED_STEPS = 32  # compiled layer ranges serve up to this many new tokens (prefills run eagerly)
@@ -57,6 +58,7 @@ class EarlyExitModel:
         self._head_subset: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None] | None = None
         self._engine: Engine | None = None  # the selected execution engine (None: the HF modules)
         self._engines: dict[tuple, Engine] = {}  # built engines, by what their layers depend on
+        self._linears: list[nn.Linear] | None = None  # every product the engine computes (resolve_weights)
         # Measurements made on this model, kept while it lives (fastdecode/plan/cost.py: the cost model per engine)
         self.measurements: dict[tuple, object] = {}
 
@@ -155,6 +157,13 @@ class EarlyExitModel:
         return lean_supported(
             self.config, self.family, self.layers, final_norm=self._norm, rotary=self._rotary
         )
+
+    def resolve_weights(self, requested: str) -> Weights:
+        """``decoder.weights`` for this model (``runtime/weights.py``): what the engine's products read."""
+        if self._linears is None:  # the module tree does not change; its parameters may (checked there)
+            found = [mod for layer in self.layers for mod in layer.modules() if isinstance(mod, nn.Linear)]
+            self._linears = [*found, self.lm_head]
+        return resolve_weights(requested, self.hf, self._linears, self.device)
 
     def _build_engine(self, options: EngineOptions) -> Engine:
         lean = options.fast_layers and self.lean_supported()
@@ -279,10 +288,15 @@ class EarlyExitModel:
 
     def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of an exit: shared final norm + LM head on ``hidden [..., H]`` -> ``[..., V]``."""
+        return self.head_logits(self.exit_hidden(hidden))
+
+    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head alone on a normed ``[..., H']`` (``exit_hidden``'s output) -> ``[..., V]``: the engine's
+        (its weights, ``decoder.weights``) while it runs, else the HF module."""
         engine = self._running_engine()
         if engine is not None and engine.head is not None:
-            return engine.head(self.exit_hidden(hidden))
-        return self.lm_head(self.exit_hidden(hidden))
+            return engine.head(normed)
+        return self.lm_head(normed)
 
     def exit_logits_subset(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Logits of an exit over the vocabulary rows ``ids [S]`` only: ``[..., H] -> [..., S]``; column j

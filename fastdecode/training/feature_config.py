@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastdecode.config import ConfigError, unknown_name_error
+from fastdecode.runtime.weights import WEIGHTS
 
 FEATURE_DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("data", "generate")
@@ -30,6 +31,9 @@ class FeatureConfig:
     batch_size: int = 8  # sequences per frozen forward
     shard_records: int = 64  # sequences per shard (the commit unit; a multiple of batch_size)
     max_records: int | None = None  # cache at most this many training sequences (null: all)
+    # what the frozen model's products read while caching (decoder.weights: auto = a GGUF's 4-bit blocks
+    # where they are exact on a CPU, else fp32; fastdecode/runtime/weights.py); recorded in the header
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -38,6 +42,8 @@ class FeatureConfig:
             raise ConfigError("recipe.features.max_new_tokens and max_prompt_tokens must be >= 1.")
         if self.dtype not in FEATURE_DTYPES:
             raise unknown_name_error("recipe.features.dtype", self.dtype, list(FEATURE_DTYPES))
+        if self.weights not in WEIGHTS:
+            raise unknown_name_error("recipe.features.weights", self.weights, list(WEIGHTS))
         if self.top_k < 1 or self.batch_size < 1:
             raise ConfigError("recipe.features.top_k and batch_size must be >= 1.")
         if self.shard_records < 1 or self.shard_records % self.batch_size:

@@ -37,7 +37,7 @@ def batch_features(
         n = lengths[row]
         scored = torch.tensor(scored_positions(ex["labels"]), dtype=torch.long, device=device)
         head_in = final[row, scored]  # [N, H']
-        argmax, top_ids, top_logp = _targets(m.lm_head(head_in), top_k)
+        argmax, top_ids, top_logp = _targets(m.head_logits(head_in), top_k)
         labels = torch.tensor(ex["labels"], dtype=torch.long, device=device)
         record = {
             "input_ids": ids[row, :n].int(),
@@ -123,7 +123,7 @@ def _greedy_answers(
     answers: list[list[int]] = [[] for _ in prompts]
     done = [False] * batch
     next_pos = torch.tensor([len(p) for p in prompts], device=device)
-    logits = m.lm_head(steps[-1][1])
+    logits = m.head_logits(steps[-1][1])
     per_step = []
     for _ in range(max_new_tokens):
         argmax, top_ids, top_logp = _targets(logits, top_k)
@@ -139,7 +139,7 @@ def _greedy_answers(
         cache.reserve(active[:, None], cache.lengths[0], pos)
         captured, final = _segments(m, m.embed(argmax[:, None], pos), exits, pos, cache)
         steps.append((captured, final[:, -1]))
-        logits = m.lm_head(final[:, -1])
+        logits = m.head_logits(final[:, -1])
         next_pos = next_pos + active.long()
     return answers, per_step
 

@@ -22,6 +22,7 @@ from fastdecode.drafters.exits.adapter import base_identity, check_base
 from fastdecode.files.io import check_free_space
 from fastdecode.files.locks import file_lock
 from fastdecode.files.tensor_shards import MANIFEST, ShardHeaderError, ShardReader, ShardWriter, check_header
+from fastdecode.runtime.engine import default_options
 from fastdecode.runtime.machine import machine_label
 from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.runtime.progress import human_seconds, phase
@@ -58,6 +59,7 @@ def feature_header(
         "top_k": fcfg.top_k,
         "dtype": fcfg.dtype,
         "data": data_id,
+        "weights": m.resolve_weights(fcfg.weights).key,  # what the frozen model's products read
     }
 
 
@@ -163,8 +165,9 @@ def build_features(
         header["exits"] = cached_exits = found["header"]["exits"]
     writer = _open_writer(m, directory, header, fcfg, [examples[i] for i in order])
     started = time.perf_counter()
-    was_training = m.hf.training
+    was_training, engine = m.hf.training, m.engine
     m.hf.eval()
+    m.use_engine(default_options(m.device, weights=m.resolve_weights(fcfg.weights)))
     todo = len(order) - writer.records
     what = f"the frozen model's features at exits {cached_exits} of {todo} sequences ({fcfg.source}) into {directory}"
     try:
@@ -179,6 +182,7 @@ def build_features(
                 progress.update(len(chosen))
     finally:
         m.hf.train(was_training)
+        m.use_engine(None if engine is None else engine.options)
     writer.finish()
     manifest = writer.finish(summary=_summary(writer.manifest["stats"], len(order), started, m.device))
     log.info("features: %s", summary_text(manifest["summary"]))
