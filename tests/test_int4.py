@@ -428,3 +428,20 @@ def test_every_drafter_on_int4_equals_its_autoregressive_decoding(tree):
 
 def ref_weights(m: EarlyExitModel) -> str:
     return m.resolve_weights("int4").label
+
+
+def test_the_cost_store_names_a_gguf_loaded_model_without_reading_its_float_weights(tmp_path):
+    """``weights_key``: the file's digest while the parameters are as loaded, the sampled fingerprint once
+    one changes; stored identities (adapters, feature caches) keep the fingerprint either way."""
+    from fastdecode.runtime.identity import weights_fingerprint, weights_key
+
+    hf = copy.deepcopy(lively_model("tiny-llama", 1.0).hf)
+    write_gguf(tmp_path / "tiny.gguf", hf)
+    sampled = weights_fingerprint(hf)
+    assert weights_key(hf) == sampled  # not registered: nothing else names it
+    gguf_blocks.register(hf, tmp_path / "tiny.gguf", digest="pkg==1:tiny.gguf:abc")
+    key = weights_key(hf)
+    assert key != sampled and weights_fingerprint(hf) == sampled
+    with torch.no_grad():
+        hf.model.norm.weight.add_(1.0)
+    assert weights_key(hf) == weights_fingerprint(hf) != sampled

@@ -22,7 +22,7 @@ from fastdecode.config import unknown_name_error
 from fastdecode.plan.cost_store import load_measured, save_measured
 from fastdecode.plan.timing import Timer, interleaved_minima, lower_envelope, pad_lengths, timed
 from fastdecode.runtime.engine import default_options
-from fastdecode.runtime.identity import load_identity, weights_fingerprint
+from fastdecode.runtime.identity import load_identity, weights_fingerprint, weights_key
 from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.runtime.progress import phase
 
@@ -384,7 +384,7 @@ def cost_model(m: EarlyExitModel, source: str = "measured", *, batch: int = 1) -
         return found
     # compiled layer ranges build one graph per T: probe only the lengths drafts use most
     probes = [t for t in PROBE_TOKENS if t <= 8] if engine and engine.options.compile else PROBE_TOKENS
-    fingerprint, store_key = weights_fingerprint(m.hf), _store_key(m, probes, batch)
+    fingerprint, store_key = weights_key(m.hf), _store_key(m, probes, batch)
     found = load_measured(fingerprint, m.device, store_key, lambda v: stored_costs(v, m, probes, batch))
     if found is None:
         started = time.perf_counter()

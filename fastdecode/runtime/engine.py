@@ -148,7 +148,8 @@ class RotaryLayer(nn.Module):
             k, v = cache.update(k, v, self.index)
         rows = None
         if self.invariant and cache is not None and 1 < steps <= INVARIANT_STEPS:
-            rows = cache.query_rows(mask, steps, k.shape[2])
+            # (not inside a compiled graph: its host-side choices would break it; compiled ranges keep SDPA)
+            rows = None if torch.compiler.is_compiling() else cache.query_rows(mask, steps, k.shape[2])
         if rows is not None:
             attn = self._one_query_at_a_time(q, k, v, rows)
         else:

@@ -41,14 +41,7 @@ def model_identity(model_cfg: Any) -> str:
 @torch.no_grad()
 def weights_fingerprint(model: torch.nn.Module, full: bool = False) -> str:
     """sha256 of ``model``'s parameters (names, shapes, sampled values rounded to bf16); ``full=True`` hashes
-    every value exactly (bitwise checks, e.g. "training left the base model untouched"). A model unchanged
-    since it was dequantised from a GGUF (``gguf_blocks.shipped``) is named by that file's content hash
-    instead: sampling would read every page of the float weights the 4-bit path never touches."""
-    from fastdecode.runtime.gguf_blocks import shipped
-
-    found = None if full else shipped(model)
-    if found is not None and found.state() == found.loaded:
-        return hashlib.sha256(f"gguf:{found.digest}".encode()).hexdigest()
+    every value exactly (bitwise checks, e.g. "training left the base model untouched")."""
     digest = hashlib.sha256()
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         flat = param.detach().reshape(-1)
@@ -63,6 +56,19 @@ def weights_fingerprint(model: torch.nn.Module, full: bool = False) -> str:
         values = flat.float().to(torch.bfloat16).cpu().contiguous().view(torch.int16)
         digest.update(values.numpy().tobytes())
     return digest.hexdigest()
+
+
+def weights_key(model: torch.nn.Module) -> str:
+    """A name for ``model``'s weights that reads none of them where it can: for a model unchanged since it was
+    dequantised from a GGUF (``gguf_blocks.shipped``), that file's content digest (sampling would page in all
+    the float weights the 4-bit path never reads); else ``weights_fingerprint``. For keys of measurements
+    (the cost store), not for identities stored beside trained files (those keep ``weights_fingerprint``)."""
+    from fastdecode.runtime.gguf_blocks import shipped
+
+    found = shipped(model)
+    if found is not None and found.state() == found.loaded:
+        return hashlib.sha256(f"gguf:{found.digest}".encode()).hexdigest()
+    return weights_fingerprint(model)
 
 
 def package_version(name: str) -> str:
