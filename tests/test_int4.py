@@ -445,3 +445,16 @@ def test_the_cost_store_names_a_gguf_loaded_model_without_reading_its_float_weig
     with torch.no_grad():
         hf.model.norm.weight.add_(1.0)
     assert weights_key(hf) == weights_fingerprint(hf) != sampled
+
+
+def test_quantised_weights_refuse_widths_the_groups_do_not_divide():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = {"hidden_size": 48, "intermediate_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1}
+    m = EarlyExitModel(LlamaForCausalLM(LlamaConfig(vocab_size=64, num_hidden_layers=1, **shape)).eval())
+    for weights in ("int4", "int8"):
+        with pytest.raises(
+            ConfigError, match=rf"weights={weights} needs every product's input width divisible"
+        ):
+            DECODERS["autoregressive"](m, [[1, 2, 3]], DecodeConfig(max_new_tokens=2, weights=weights))
+    assert DECODERS["autoregressive"](m, [[1, 2, 3]], DecodeConfig(max_new_tokens=2)).weights == "fp32"
