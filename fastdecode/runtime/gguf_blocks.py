@@ -1,6 +1,6 @@
 """The quantised blocks a GGUF file ships, read as they are and named by Hugging Face parameter names.
 
-``read_blocks(path, config)`` maps each HF weight (``model.layers.3.mlp.up_proj.weight``) to its ``Blocks``:
+``read_blocks(path, heads, kv_heads)`` maps each HF weight (``model.layers.3.mlp.up_proj.weight``) to its blocks:
 the 4-bit or 8-bit codes and the fp16 scales of llama.cpp's Q4_0, Q4_1 and Q8_0 formats (groups of 32 along
 the input dimension), with the rows of Llama's q/k projections put back in HF's order (llama.cpp's converter
 interleaves them). ``register``/``shipped`` keep which file a loaded model came from. Formats: docs/design/int4.md.

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from fastdecode.runtime.gguf_blocks import shipped
+
 SAMPLE = 4096
 
 
@@ -63,8 +65,6 @@ def weights_key(model: torch.nn.Module) -> str:
     dequantised from a GGUF (``gguf_blocks.shipped``), that file's content digest (sampling would page in all
     the float weights the 4-bit path never reads); else ``weights_fingerprint``. For keys of measurements
     (the cost store), not for identities stored beside trained files (those keep ``weights_fingerprint``)."""
-    from fastdecode.runtime.gguf_blocks import shipped
-
     found = shipped(model)
     if found is not None and found.state() == found.loaded:
         return hashlib.sha256(f"gguf:{found.digest}".encode()).hexdigest()

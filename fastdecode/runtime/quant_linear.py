@@ -76,17 +76,12 @@ def pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class QuantProduct(nn.Module):
-    """What ``Int4Linear`` and ``Int8Linear`` share: the source parameters' versions (``stale``) and the
-    way rows go in (``[..., K]`` flattened, in the products' dtype) and come out (input dtype, bias, shape)."""
+    """What ``Int4Linear`` and ``Int8Linear`` share: the bias, and the way rows come out (input dtype, bias,
+    shape). Like every engine part they are copies: ``Engine.stale`` says when the parameters changed."""
 
-    def __init__(self, bias: torch.Tensor | None, sources: Sequence[torch.Tensor]) -> None:
+    def __init__(self, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.bias = None if bias is None else bias.detach().float()
-        self._sources = [p for p in sources if not p.is_inference()]
-        self._versions = [p._version for p in self._sources]
-
-    def stale(self) -> bool:
-        return any(p._version != v for p, v in zip(self._sources, self._versions, strict=True))
 
     def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         y = y.to(x.dtype)
@@ -100,18 +95,17 @@ class Int4Linear(QuantProduct):
 
     Args:
         parts: the ``Blocks`` of one or more weights with the same input (fused side by side, e.g. q, k, v).
-        bias: ``[N]`` or None. ``sources``: the parameters the blocks stand for (their versions are recorded).
+        bias: ``[N]`` or None.
     """
 
     def __init__(
         self,
         parts: Sequence[Blocks],
         bias: torch.Tensor | None = None,
-        sources: Sequence[torch.Tensor] = (),
         device: torch.device | str = "cpu",
         products: torch.dtype = PRODUCT_DTYPE,
     ) -> None:
-        super().__init__(bias, sources)
+        super().__init__(bias)
         forms = [kernel_form(b) for b in parts]
         codes, scale, zero = (torch.cat(t) for t in zip(*forms, strict=True))
         self.out_features = codes.shape[0]
@@ -156,9 +150,6 @@ class Stacked(nn.Module):
         self.out_features = sum(p.out_features for p in parts)
         self.in_features = parts[0].in_features
 
-    def stale(self) -> bool:
-        return any(p.stale() for p in self.parts)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], -1)
 
@@ -167,10 +158,8 @@ class Int8Linear(QuantProduct):
     """``y = x @ w.T + bias`` over int8 weights with one scale per output channel (quantised at load:
     ``scale = max|w_n| / 127``), bf16 products, fp32 out. A different model from the float weights."""
 
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, sources: Sequence[torch.Tensor] = ()
-    ) -> None:
-        super().__init__(bias, sources)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(bias)
         w = weight.detach().float()
         scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
         self.weight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)

@@ -33,7 +33,7 @@ QUANTISED_LABEL = "{kind} quantised at load (a different model), bf16 products"
 @dataclass(frozen=True)
 class Weights:
     """What the engine's products read. ``kind``: ``fp32`` (the parameters, in their dtype), ``int4`` or
-    ``int8``; ``label``: how outputs name it; ``blocks``: shipped ``Blocks`` by ``id(parameter)``."""
+    ``int8``; ``label``: how outputs name it; ``blocks``: the shipped tensors by ``id(parameter)``."""
 
     kind: str
     label: str
@@ -146,9 +146,8 @@ def linear_maker(weights: Weights, device: torch.device) -> Callable[[Sequence[n
                     for b, lin in zip(biases, linears, strict=True)
                 ]
             )
-        sources = [p for lin in linears for p in (lin.weight, lin.bias) if p is not None]
         if weights.kind == "int8":
-            return Int8Linear(torch.cat([lin.weight.detach() for lin in linears]), bias, sources)
+            return Int8Linear(torch.cat([lin.weight.detach() for lin in linears]), bias)
         shipped = [weights.blocks.get(id(lin.weight)) for lin in linears]
         parts = [
             tensor.blocks() if tensor is not None else quantize_blocks(lin.weight, 8 if head else 4)
@@ -156,6 +155,6 @@ def linear_maker(weights: Weights, device: torch.device) -> Callable[[Sequence[n
         ]
         if len({b.kind == "q8_0" for b in parts}) > 1:  # Q4 and Q8_0 blocks: one product each
             return Stacked([make([lin]) for lin in linears])
-        return Int4Linear(parts, bias, sources, device)
+        return Int4Linear(parts, bias, device)
 
     return make
