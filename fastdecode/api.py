@@ -139,7 +139,8 @@ def from_pretrained(
     its tokenizer; ``adapter``: an exit adapter directory (default: ``exit_adapter/`` inside the directory);
     ``skip_file``: the ``skipdecode.json`` whose SkipDecode policy ``method="skipdecode"`` keeps to
     (``"auto"``: the directory's own, when it has one; None: none, the options alone); ``drafter``: an EAGLE-3
-    head directory (``method="eagle3"``'s default, and planned by ``auto`` when it records its acceptance)."""
+    head or a DFlash drafter directory (``method="eagle3"``'s or ``method="dflash"``'s default, told apart by
+    its config, ``registry.drafter_kind``; planned by ``auto`` when it records its acceptance)."""
     cfg, directory = _model_config(source, device=device, dtype=dtype)
     recommended_exit(directory)  # a recorded exit that is no layer of the model fails before the weights load
     skip_file = trained_policy_file(directory, skip_file)  # a bad file fails before the weights load
@@ -198,10 +199,10 @@ class FastDecoder:
         self.directory = directory
         self.defaults = _checkpoint_defaults(directory, adapter, recommended)
         self.adapter = self.defaults["self_speculative"].get("adapter")
-        self.drafter = drafter  # an EAGLE-3 head directory (decoder 'eagle3')
+        self.drafter = drafter  # an EAGLE-3 head (decoder 'eagle3') or a DFlash drafter (decoder 'dflash')
         self._fingerprint: dict | None = None  # the tokenizer's, for corpus files (``_check_corpus``)
         if drafter is not None:
-            self.defaults["eagle3"] = {"drafter": drafter}
+            self.defaults[check_drafter(drafter)] = {"drafter": drafter}  # its kind's default
         self.record = record if record is not None else read_record(directory)
         # the SkipDecode policy the checkpoint was trained with (``skip_file``), kept to by ``skipdecode``
         self.skip_file, self.trained_skip = skip_file, trained_skip
@@ -215,7 +216,7 @@ class FastDecoder:
         ``engine`` selects (``DecodeConfig``'s engine fields and ``costs``; default: the device's). One plan
         per engine, thread count, batch size and version of the head's and adapter's files (``plan_files``);
         the cost model is measured once per machine and kept on disk (``fastdecode/plan/cost_store.py``).
-        ``drafter``: an EAGLE-3 head to plan with (default: the one given at load)."""
+        ``drafter``: an EAGLE-3 head or a DFlash drafter to plan with (default: the one given at load)."""
         cfg = to_dataclass(DecodeConfig, {"max_new_tokens": 1} | engine, "plan()")
         drafter = cfg.drafter or self.drafter
         configure_engine(self.m, cfg)

@@ -17,6 +17,8 @@ from fastdecode.config import unknown_name_error
 from fastdecode.decoding import autoregressive, jacobi, skipdecode
 from fastdecode.decoding.config import DecodeConfig, DecodeOutput, merged_options, typed_groups
 from fastdecode.decoding.kinds import DEFAULT_FIRST, FIRST_STAGES, PROPOSERS, FirstStageKind, Setup
+from fastdecode.drafters.dflash import kind as dflash
+from fastdecode.drafters.dflash.files import read_dflash_config
 from fastdecode.drafters.draft_model import kind as draft_model
 from fastdecode.drafters.eagle3 import kind as eagle3
 from fastdecode.drafters.eagle3.files import read_eagle3_config
@@ -45,7 +47,7 @@ class Decoder(Protocol):
 
 # The kinds of draft the one speculative loop verifies: each is a decoder of its name, and ``auto``
 # (fastdecode/plan/choose.py) plans with the ones that make offers.
-KINDS = [exits.KIND, draft_model.KIND, lookup.KIND, lookahead.KIND, eagle3.KIND, suffix.KIND]
+KINDS = [exits.KIND, draft_model.KIND, lookup.KIND, lookahead.KIND, eagle3.KIND, dflash.KIND, suffix.KIND]
 PROPOSERS.update({kind.name: kind for kind in KINDS})
 
 
@@ -117,10 +119,20 @@ def get_decoder(name: str) -> Decoder:
 # What callers above the loop (the API, the benchmark) need of the drafters' files and memories
 
 
-def check_drafter(path: str | Path) -> None:
+def drafter_kind(path: str | Path) -> str:
+    """The decoder a trained drafter's directory (``drafter=``) drafts for, told by its ``config.json``'s
+    ``architectures``: ``"dflash"`` for a DFlash drafter, else ``"eagle3"`` (an EAGLE-3 head; a missing or
+    foreign directory too, which ``check_drafter`` then refuses by name)."""
+    return dflash.NAME if dflash.is_dflash_directory(path) else eagle3.NAME
+
+
+def check_drafter(path: str | Path) -> str:
     """A trained drafter's directory (``drafter=``), read without its weights: a missing, damaged or foreign
-    one is refused by name (today an EAGLE-3 head: ``drafters.eagle3.files``)."""
-    read_eagle3_config(path)
+    one is refused by name (an EAGLE-3 head, ``drafters.eagle3.files``, or a DFlash drafter,
+    ``drafters.dflash.files``); returns its kind (``drafter_kind``), the decoder that drafts with it."""
+    kind = drafter_kind(path)
+    (read_dflash_config if kind == dflash.NAME else read_eagle3_config)(path)
+    return kind
 
 
 def check_corpus_file(path: str | Path) -> None:
@@ -197,6 +209,7 @@ __all__ = [
     "corpus_prompt_keys",
     "save_corpus",
     "check_drafter",
+    "drafter_kind",
     "corpus_fingerprint",
     "decoder_names",
     "forget_earlier_calls",

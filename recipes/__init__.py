@@ -21,6 +21,7 @@ RECIPES: dict[str, str] = {
     "cllm": "cllm_train.recipe",
     "exit_adapter": "adapter_train.recipe",
     "eagle3": "eagle3_train.recipe",
+    "dflash": "dflash_train.recipe",
 }
 
 

@@ -152,7 +152,12 @@ def test_every_planned_kind_is_a_chainable_or_standalone_decoder():
     """The registry: every kind is a decoder of its name; the ones ``auto`` chains can follow the lookup."""
     for name, kind in PROPOSERS.items():
         assert DECODERS[name].__wrapped__ == kind.generate and kind.name == name  # held under the model lock
-    assert {n for n, k in PROPOSERS.items() if k.chainable} == {"self_speculative", "assisted", "eagle3"}
+    assert {n for n, k in PROPOSERS.items() if k.chainable} == {
+        "self_speculative",
+        "assisted",
+        "eagle3",
+        "dflash",
+    }
     with pytest.raises(Exception, match="cannot follow prompt lookup"):
         DECODERS["prompt_lookup"](
             lively_model("tiny-llama"), [[5, 6]], DecodeConfig(max_new_tokens=3, chain=True)

@@ -134,3 +134,48 @@ def test_eagle3_two_process_training_exports_the_trained_head(tmp_path, kind, de
     head = load_eagle3(out / "final")[0].state_dict()
     assert all(v.numel() > 0 for v in head.values())  # no empty ZeRO-3 partitions saved
     assert (out / "final" / "acceptance.json").is_file()
+
+
+@pytest.mark.parametrize("kind,deepspeed", [("ddp", "none"), ("deepspeed", "zero2"), ("deepspeed", "zero3")])
+def test_dflash_two_process_training_exports_the_trained_drafter(tmp_path, kind, deepspeed):
+    """Rank 0 builds the feature cache, the other rank reuses it; each rank draws its own anchors; the drafter is
+    gathered (ZeRO-3) and saved once, in the native format, equal to the last checkpoint's."""
+    from safetensors.torch import load_file
+
+    from fastdecode.drafters.dflash.files import load_dflash
+
+    data = write_chat_jsonl(tmp_path / "chat.jsonl")
+    out = tmp_path / "run"
+    args = [
+        "train.py",
+        "recipe=dflash",
+        "recipe.target_layer_ids=[0,1,2]",
+        "recipe.block_size=4",
+        "recipe.num_anchors=4",
+        "recipe.loss=both",
+        "recipe.features.max_new_tokens=6",
+        "recipe.features.max_records=8",
+        "recipe.features.batch_size=4",
+        "recipe.features.shard_records=4",
+        "recipe.report.prompts=2",
+        "recipe.report.max_new_tokens=6",
+        "model=tiny-llama",
+        "data=jsonl",
+        f"data.path={data}",
+        "data.held_out=4",
+        "trainer.max_steps=2",
+        "trainer.save_steps=2",
+        "trainer.per_device_train_batch_size=2",
+        f"deepspeed={deepspeed}",
+        f"output_dir={out}",
+    ]
+    _train(kind, args)
+    summary = json.loads((out / "summary.json").read_text())
+    check = summary["export_check"]  # gathered from the ranks: other layouts, within rounding
+    assert check["abs_diff"] <= check["tolerance"] and summary["features"]["sequences"] == 8
+    draft = load_dflash(out / "final")[0].state_dict()
+    assert all(v.numel() > 0 for v in draft.values())  # no empty ZeRO-3 partitions saved
+    if kind == "ddp":  # the checkpoint holds the module's state dict as is
+        saved = load_file(out / "checkpoint-2" / "model.safetensors")
+        assert all(torch.equal(draft[k], saved[f"draft.{k}"]) for k in draft)
+    assert (out / "final" / "acceptance.json").is_file()

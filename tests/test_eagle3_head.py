@@ -12,8 +12,9 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
+from fastdecode.config import ConfigError
 from fastdecode.drafters.eagle3.files import Eagle3FileError, load_eagle3, save_eagle3
-from fastdecode.drafters.eagle3.layer import Eagle3KV, apply_rope, rope_cos_sin, ttt_mask
+from fastdecode.drafters.eagle3.layer import Eagle3KV, ttt_mask
 from fastdecode.drafters.eagle3.model import (
     Eagle3Config,
     Eagle3ConfigError,
@@ -24,6 +25,7 @@ from fastdecode.drafters.eagle3.model import (
 )
 from fastdecode.errors import UserError
 from fastdecode.runtime.cache import KVCache
+from fastdecode.runtime.draft_layers import apply_rope, rope_cos_sin
 from tests.helpers import eagle3_reduction, kernel_tolerance
 
 H, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, DRAFT = 32, 4, 2, 8, 64, 50, 20
@@ -84,7 +86,7 @@ def test_rope_scaling_is_refused():
         max_position_embeddings=8192,
         rope_scaling={"rope_type": "linear", "factor": 2.0},
     )
-    with pytest.raises(Eagle3ConfigError, match="rope scaling 'linear'"):
+    with pytest.raises(ConfigError, match="rope scaling 'linear'"):
         Eagle3Config.from_target(scaled, draft_vocab_size=DRAFT)
 
 

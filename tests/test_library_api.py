@@ -180,6 +180,23 @@ def test_eagle3_without_a_head_names_the_python_argument(fd):
     assert "fastdecode.drafters" not in str(caught.value)  # no module path a user cannot run
 
 
+def test_from_pretrained_takes_a_dflash_drafter_as_the_dflash_methods_default(tmp_path):
+    """``from_pretrained(drafter=PATH)`` tells a DFlash directory from an EAGLE-3 head by its config: it is
+    ``method="dflash"``'s default (lossless), and ``eagle3`` still asks for its own head."""
+    from tests.dflash_drafters import random_drafter_dir
+
+    fast = fastdecode.from_pretrained("tiny-llama", device="cpu", drafter=random_drafter_dir(tmp_path))
+    plain = fast.generate("Count to five", max_new_tokens=8, method="autoregressive")
+    out = fast.generate("Count to five", max_new_tokens=8, method="dflash", costs="estimated")
+    assert out.ids == plain.ids and out.method == "dflash" and sum(out.output.drafted) > 0
+    with pytest.raises(ConfigError, match="decoder 'dflash' needs decoder.drafter"):
+        fastdecode.from_pretrained("tiny-llama", device="cpu").generate(
+            "hi", max_new_tokens=2, method="dflash"
+        )
+    with pytest.raises(ConfigError, match="needs decoder.drafter"):  # the DFlash drafter is not a head
+        fast.generate("hi", max_new_tokens=2, method="eagle3")
+
+
 class _Streamer:
     def __init__(self) -> None:
         self.puts: list[list[int]] = []

@@ -604,7 +604,7 @@ def test_train_help_lists_only_the_groups_train_accepts():
     assert out.returncode == 0, out.stderr
     groups = out.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert (
-        "recipe: cllm, eagle3, exit_adapter, layerskip, sft, skipdecode" in groups
+        "recipe: cllm, dflash, eagle3, exit_adapter, layerskip, sft, skipdecode" in groups
         and "decoder:" not in groups
     )
 

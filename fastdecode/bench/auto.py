@@ -19,6 +19,7 @@ from fastdecode.bench.config import (
     Method,
     SpeedJob,
     check_options,
+    job_drafters,
     resolve_adapter_path,
 )
 from fastdecode.decoding.draft_vocab import draft_vocab_ids
@@ -128,7 +129,7 @@ def auto_decoder(job: SpeedJob, m: EarlyExitModel, tokenizer: Any) -> FastDecode
         directory=None,
         adapter=resolve_adapter_path(job),
         record=read_record(job.checkpoint),
-        drafter=job.drafter,
+        drafter=(job_drafters(job) or [None])[0],  # several: ``auto`` plans with the first
         m=m,
     )
 

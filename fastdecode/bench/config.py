@@ -45,7 +45,7 @@ class MethodConfig:
     decoder: str | None = None
     uses_exit_layer: bool = False
     uses_adapter: bool = False
-    uses_drafter: bool = False  # an EAGLE-3 head directory: the job's ``drafter`` as ``decoder.drafter``
+    uses_drafter: bool = False  # the job's ``drafter`` of this decoder's kind as ``decoder.drafter``
     uses_corpus: bool = False  # a suffix method that reads the job's ``corpus`` as ``decoder.suffix.corpus``
     uses_draft: bool = False
     max_batch_size: int | None = None
@@ -75,7 +75,9 @@ class SpeedJob:
     draft_model: str | None = None
     exit_layer: int | None = None
     adapter: str | None = None
-    drafter: str | None = None  # an EAGLE-3 head directory, for uses_drafter methods (decoder 'eagle3')
+    # a trained drafter's directory, or a list of them: each uses_drafter method takes the one whose kind is its
+    # decoder (``registry.drafter_kind``: an EAGLE-3 head for 'eagle3', a DFlash drafter for 'dflash')
+    drafter: str | list[str] | None = None
     corpus: str | None = None  # a suffix index file for the 'suffix' methods (decoder.suffix.corpus)
     n_prompts: int | None = 8  # None: every prompt of the set
     prompt_split: str = "auto"
@@ -182,6 +184,12 @@ def resolve_adapter_path(job: SpeedJob) -> str | None:
     return None
 
 
+def job_drafters(job: SpeedJob) -> list[str]:
+    """The job's ``drafter`` directories as a list (one path, several, or none)."""
+    given = job.drafter
+    return [] if given is None else [given] if isinstance(given, str) else list(given)
+
+
 def _method(
     name: str,
     node: Any,
@@ -189,7 +197,7 @@ def _method(
     draft: bool,
     adapter: str | None = None,
     *,
-    drafter: str | None = None,
+    drafter: list[str] | None = None,
 ) -> Method:
     spec = to_dataclass(MethodConfig, node, f"decoder.{name}")
     if spec.engine not in ENGINES:
@@ -226,33 +234,48 @@ def _method(
 
 
 def _drafter_files(
-    name: str, spec: MethodConfig, options: dict, adapter: str | None, drafter: str | None
+    name: str, spec: MethodConfig, options: dict, adapter: str | None, drafters: list[str] | None
 ) -> None:
-    """Put the job's exit adapter and EAGLE-3 head into ``options`` for the methods that draft with them
-    (unless the options fix one); a missing one, or a head directory that cannot be read, fails here."""
-    needs = {
-        "adapter": (
-            spec.uses_adapter,
-            adapter,
-            "drafts through an exit adapter and none is set: pass adapter=PATH (a directory written by "
-            "`python train.py recipe=exit_adapter`, e.g. outputs/<run>/final).",
-        ),
-        "drafter": (
-            spec.uses_drafter,
-            drafter,
-            "drafts with an EAGLE-3 head and none is set: pass drafter=PATH (the head's directory, "
-            "from python train.py recipe=eagle3, or a speculators / SpecForge checkpoint).",
-        ),
-    }
-    for key, (used, given, missing) in needs.items():
-        if used and options.get(key) is None:
-            if given is None:
-                raise ConfigError(f"method '{name}' {missing}")
-            options[key] = given
+    """Put the job's exit adapter and trained drafter into ``options`` for the methods that draft with them
+    (unless the options fix one); a missing one, or a drafter directory that cannot be read, fails here."""
+    if spec.uses_adapter and options.get("adapter") is None:
+        if adapter is None:
+            raise ConfigError(
+                f"method '{name}' drafts through an exit adapter and none is set: pass adapter=PATH (a "
+                "directory written by `python train.py recipe=exit_adapter`, e.g. outputs/<run>/final)."
+            )
+        options["adapter"] = adapter
+    if spec.uses_drafter and options.get("drafter") is None:
+        options["drafter"] = _drafter_of(name, spec.decoder or name, drafters or [])
     if options.get("drafter") is not None:
         from fastdecode.registry import check_drafter
 
         check_drafter(options["drafter"])
+
+
+def _drafter_of(name: str, decoder: str, drafters: list[str]) -> str:
+    """The one directory of ``drafters`` whose kind is ``decoder`` (``registry.drafter_kind``); none, or two,
+    refused naming the method, before any model loads."""
+    from fastdecode.registry import check_drafter, drafter_kind
+
+    if not drafters:
+        raise ConfigError(
+            f"method '{name}' drafts with a trained {decoder} drafter and none is set: pass drafter=PATH (an "
+            "EAGLE-3 head's directory from python train.py recipe=eagle3 or a speculators / SpecForge "
+            "checkpoint; a DFlash drafter's from recipe=dflash), or drafter=[PATH,...] for several methods."
+        )
+    kinds: dict[str, list[str]] = {}
+    for path in drafters:
+        check_drafter(path)  # a missing or damaged directory fails here, by name
+        kinds.setdefault(drafter_kind(path), []).append(str(path))
+    found = kinds.get(decoder, [])
+    if len(found) != 1:
+        given = "; ".join(f"{kind}: {', '.join(paths)}" for kind, paths in kinds.items())
+        raise ConfigError(
+            f"method '{name}' (decoder '{decoder}') needs one {decoder} drafter directory among drafter= and "
+            f"{len(found)} are given ({given}): give exactly one per kind (drafter=[EAGLE3_DIR,DFLASH_DIR])."
+        )
+    return found[0]
 
 
 def check_options(name: str, spec: MethodConfig, options: dict) -> None:
@@ -340,12 +363,13 @@ def plan(cfg: Any) -> tuple[SpeedJob, list[Method], str]:
     if job.mode == "sweep":
         selected = [n for n in job.decoder if n in (job.baseline, job.hf_baseline)]
         methods = [
-            _method(n, job.decoder[n], exit_layer, draft, adapter, drafter=job.drafter) for n in selected
+            _method(n, job.decoder[n], exit_layer, draft, adapter, drafter=job_drafters(job))
+            for n in selected
         ]
         methods = _sweep_methods(job, methods, draft)
     else:
         methods = [
-            _method(name, node, exit_layer, draft, adapter, drafter=job.drafter)
+            _method(name, node, exit_layer, draft, adapter, drafter=job_drafters(job))
             for name, node in job.decoder.items()
         ]
     names = [m.name for m in methods]

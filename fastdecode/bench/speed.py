@@ -19,6 +19,7 @@ from fastdecode.bench.config import (
     SpeedJob,
     check_exit_layers,
     draft_model_config,
+    job_drafters,
     plan,
     target_model_config,
 )
@@ -81,10 +82,10 @@ def prompt_records(job: SpeedJob) -> tuple[list[dict], dict]:
 
 
 def twin_corpora(job: SpeedJob) -> list[str]:
-    """The corpus files whose prompts the benchmark's must not twin: ``corpus=`` and the one beside the
-    EAGLE-3 head (``drafter=``: the answers it was trained on, ``api.drafter_corpus``)."""
-    beside = drafter_corpus(job.drafter)
-    found = [job.corpus, str(beside) if beside is not None else None]
+    """The corpus files whose prompts the benchmark's must not twin: ``corpus=`` and the ones beside the
+    trained drafters (``drafter=``: the answers each was trained on, ``api.drafter_corpus``)."""
+    beside = [drafter_corpus(path) for path in job_drafters(job)]
+    found = [job.corpus, *(str(path) for path in beside if path is not None)]
     return list(dict.fromkeys(path for path in found if path is not None))
 
 

@@ -8,7 +8,8 @@ script once per speculative configuration and compares the tokens and acceptance
 
 ``REQUEST.json``: ``target`` (a local Hugging Face directory), ``prompts`` (token ids, the chat template
 already applied by the caller, so both sides start from the same ids), ``max_tokens``, ``max_model_len`` and
-``speculative_config`` (vLLM's dict, or null for plain decoding). Greedy; generation stops at the model's
+``speculative_config`` (vLLM's dict, or null for plain decoding; e.g. ``{"method": "dflash", "model": DIR,
+"num_speculative_tokens": B - 1}`` for a DFlash drafter). Greedy; generation stops at the model's
 EOS. ``RESULT.json``: ``outputs`` (new token ids per prompt, in the prompts' order), ``spec_decode`` (vLLM's
 counters: ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, ``num_accepted_tokens_per_pos``;
 empty without a drafter), ``rounds`` (per prompt, the ``accepted`` and ``drafted`` counts of every

@@ -1,7 +1,6 @@
 """The parts of an EAGLE-3 head (Li et al., 2025), written here so that the head needs no model internals.
 
-RMSNorm, Llama rotary positions, the head's keys and values for training (``Eagle3KV``; decoding passes a
-one-layer ``KVCache`` instead), the attention masks (``causal_mask``, the training-time test's ``ttt_mask``)
+The head's keys and values for training (``Eagle3KV``; decoding passes a one-layer ``KVCache`` instead), the attention masks (``causal_mask``, the training-time test's ``ttt_mask``)
 and the head's one decoder layer (``Eagle3Layer``), whose q/k/v projections read ``2H`` inputs. ``model.py``
 assembles them. Design notes: docs/design/drafters.md.
 """
@@ -15,38 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdecode.runtime.cache import KVCache
-from fastdecode.runtime.engine import rms_norm
-
-
-class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, computed in fp32 and cast back (Llama's RMSNorm)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., dim]`` -> ``[..., dim]`` (``engine.rms_norm``, the project's one RMSNorm)."""
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The standard Llama rotary tables for ``position_ids [B, T]`` -> ``(cos, sin)``, each
-    ``[B, 1, T, head_dim]`` (no scaling variant: ``Eagle3Config`` refuses those)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
-    freqs = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, heads, T, D]`` by the tables of ``rope_cos_sin`` (the half-split convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+from fastdecode.runtime.draft_layers import RMSNorm, SwiGLU, apply_rope
 
 
 @dataclass
@@ -145,20 +113,6 @@ class Eagle3Attention(nn.Module):
             q, k, v, attn_mask=attn_mask, enable_gqa=self.kv_heads != self.heads
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
-
-
-class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))``: the Llama MLP."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., H]`` -> ``[..., H]``."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Eagle3Layer(nn.Module):

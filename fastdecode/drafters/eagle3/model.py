@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from fastdecode.config import ConfigError
-from fastdecode.drafters.eagle3.layer import Eagle3KV, Eagle3Layer, RMSNorm, rope_cos_sin
+from fastdecode.drafters.eagle3.layer import Eagle3KV, Eagle3Layer
 from fastdecode.runtime.cache import KVCache
+from fastdecode.runtime.draft_layers import RMSNorm, rope_cos_sin, rope_theta_of
 
 FEATURES = 3  # target hidden states the head reads per position (low, middle, high)
 # The one default of ``norm_before_residual`` (the head's and ``recipe=eagle3``'s): false, EAGLE-3's layer,
@@ -60,21 +61,6 @@ def check_aux_layer_ids(ids: Sequence[int], num_layers: int) -> None:
             f"aux_layer_ids={list(ids)}: {bad} out of range; a target of {num_layers} layers has feature ids "
             f"in [0, {num_layers - 1}] (hidden_states[i], the residual stream entering block i)"
         )
-
-
-def rope_theta_of(config: Any) -> float:
-    """The plain RoPE base of a Hugging Face config (transformers 4's ``rope_theta``/``rope_scaling`` or
-    5's ``rope_parameters``); a scaling variant is refused (not supported by the head yet)."""
-    params = getattr(config, "rope_parameters", None) or {}
-    scaling = getattr(config, "rope_scaling", None) or params
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if kind not in (None, "default"):
-        raise Eagle3ConfigError(
-            f"the target uses rope scaling {kind!r}; the EAGLE-3 head supports only plain RoPE so far: "
-            "choose a target without rope_scaling"
-        )
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    return float(theta if theta is not None else 10000.0)
 
 
 @dataclass
