@@ -14,7 +14,7 @@ from fastdecode.drafters.dflash.model import (
     build_target_layer_ids,
     check_target_layer_ids,
 )
-from fastdecode.training.feature_config import FeatureConfig
+from fastdecode.training.feature_config import FeatureConfig, ReportConfig
 
 MODES = ("cache",)
 
@@ -36,18 +36,6 @@ class DFlashFeatures(FeatureConfig):
                 f"recipe.features.mode={self.mode}: recipe=dflash reads the feature cache only; set "
                 "recipe.features.mode=cache (source=data caches teacher-forced features of data= once)."
             )
-
-
-@dataclass
-class ReportConfig:
-    """Block-drafting acceptance on the target's own greedy answers to held-out prompts."""
-
-    enabled: bool = True
-    prompts: int = 16  # held-out prompts the target answers greedily (never the training data)
-    max_new_tokens: int = 64
-    max_prompt_tokens: int = 256  # longer prompts are skipped
-    data: str | None = None  # held-out prompts: null = the training data's held-out split; or a data config
-    batch_size: int = 8  # prompts per generation batch
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any
 from eagle3_train.losses import KINDS
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.drafters.eagle3.model import NORM_BEFORE_RESIDUAL, default_aux_layers
-from fastdecode.training.feature_config import FeatureConfig
+from fastdecode.training.feature_config import FeatureConfig, ReportConfig
 
 MODES = ("cache", "online")
 INITS = ("target_head", "random")
@@ -39,18 +39,6 @@ class Eagle3Features(FeatureConfig):
                 "target's own answers as data (data=jsonl data.path=<fastdecode-regenerate output>), or use "
                 "recipe.features.mode=cache with source=generate."
             )
-
-
-@dataclass
-class ReportConfig:
-    """Chain-drafting acceptance on the target's own greedy answers to held-out prompts."""
-
-    enabled: bool = True
-    prompts: int = 16  # held-out prompts the target answers greedily (never the training data)
-    max_new_tokens: int = 64
-    max_prompt_tokens: int = 256  # longer prompts are skipped
-    data: str | None = None  # held-out prompts: null = the training data's held-out split; or a data config
-    batch_size: int = 8  # prompts per generation batch
 
 
 @dataclass

@@ -61,3 +61,16 @@ class FeatureConfig:
         per_position = 4 + exits * hidden * width  # input_ids, h<E>
         per_scored = 3 * 4 + self.top_k * (4 + 4) + hidden * width  # scored/targets/teacher, top-k, final
         return positions * per_position + scored * per_scored + 8 * (1 + 7 + exits)
+
+
+@dataclass
+class ReportConfig:
+    """``recipe.report`` of a drafter trained on the feature cache (EAGLE-3, DFlash): its drafting acceptance
+    on the target's own greedy answers to held-out prompts."""
+
+    enabled: bool = True
+    prompts: int = 16  # held-out prompts the target answers greedily (never the training data)
+    max_new_tokens: int = 64
+    max_prompt_tokens: int = 256  # longer prompts are skipped
+    data: str | None = None  # held-out prompts: null = the training data's held-out split; or a data config
+    batch_size: int = 8  # prompts per generation batch
