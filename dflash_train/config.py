@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_train.losses import KINDS
+from dflash_train.scaling import SCALES
 from fastdecode.config import ConfigError, unknown_name_error
 from fastdecode.drafters.dflash.model import (
     BLOCK_SIZE,
@@ -49,12 +50,15 @@ class DFlashRecipeConfig:
     loss: str = "ce"  # ce (the sequence's tokens) | kl (the target's distribution) | both (their sum)
     mask_token_id: int | None = None  # null: choose_mask_token (the tokenizer's mask, a spare row, ...)
     speculative_tokens: int | None = None  # drafts per round the exports advertise (null: block_size - 1)
+    feature_scale: str = "rms"  # rms: train on features / their channel RMS, folded into fc at export | none
     features: DFlashFeatures = field(default_factory=DFlashFeatures)
     report: ReportConfig = field(default_factory=ReportConfig)
 
     def __post_init__(self) -> None:
         if self.loss not in KINDS:
             raise unknown_name_error("recipe.loss", self.loss, list(KINDS))
+        if self.feature_scale not in SCALES:
+            raise unknown_name_error("recipe.feature_scale", self.feature_scale, list(SCALES))
         if self.block_size < 2:
             raise ConfigError(
                 f"recipe.block_size={self.block_size}: a block holds its anchor and at least one mask; give >= 2."

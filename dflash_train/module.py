@@ -85,9 +85,17 @@ class DFlashLM(nn.Module):
         draft: the ``DFlashDraft``.
         loss: ``{"kind", "gamma", "num_anchors", "seed"}``: ``dflash_loss``'s kind, the slot decay, the
             blocks per row and the seed of the anchors a batch without its own draws (``EVAL_STREAM``).
+        feature_scale: ``[k * Ht]``: the drafter reads ``features / feature_scale`` (``scaling.py``; folded
+            into ``fc`` at export); None: the raw features (an exported drafter).
     """
 
-    def __init__(self, m: EarlyExitModel, draft: DFlashDraft, loss: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        m: EarlyExitModel,
+        draft: DFlashDraft,
+        loss: dict[str, Any],
+        feature_scale: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         check_target_head(m, draft.config.hidden_size)
         self.draft = draft
@@ -95,6 +103,7 @@ class DFlashLM(nn.Module):
         self.config = m.hf.config  # the target's: DeepSpeed sizes its buckets from ``hidden_size``
         self.loss_cfg = dict(loss)
         self.block = draft.config.block_size
+        self.feature_scale = None if feature_scale is None else feature_scale.float().cpu()
         self.last_metrics: dict[str, torch.Tensor] = {}
 
     @property
@@ -121,6 +130,8 @@ class DFlashLM(nn.Module):
         dtype = next(self.draft.parameters()).dtype
         with torch.no_grad():
             noise = self.m.token_embed(blocks["tokens"]).to(dtype)
+        if self.feature_scale is not None:
+            features = features / self.feature_scale.to(features.device)
         batch, context = features.shape[:2]
         ctx_positions = torch.arange(context, device=features.device).expand(batch, -1)
         kv = self.draft.context_kv(features.to(dtype), ctx_positions)

@@ -12,34 +12,27 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash_train.config import DFlashRecipeConfig
 from dflash_train.module import DFlashLM, check_target_head, collate_records
-from dflash_train.report import drafter_record, measure, table_text
+from dflash_train.report import measure
+from dflash_train.scaling import feature_rms, fold_feature_scale
 from dflash_train.trainer import DFlashTrainer
-from fastdecode.api import DRAFTER_CORPUS
-from fastdecode.config import ConfigError, group_choices, load_group, to_dataclass, unknown_name_error
+from fastdecode.config import to_dataclass
 from fastdecode.data.chat import build_datasets
-from fastdecode.data.config import DataConfig
-from fastdecode.data.twins import drop_twins, prompt_keys
 from fastdecode.drafters.dflash.files import load_dflash, save_dflash
 from fastdecode.drafters.dflash.layer import DFlashDraft
 from fastdecode.drafters.dflash.model import DFlashConfig, choose_mask_token
-from fastdecode.files.distributed import is_main_process
-from fastdecode.plan.acceptance import write_record
-from fastdecode.registry import corpus_fingerprint
-from fastdecode.runtime.identity import weights_fingerprint
-from fastdecode.runtime.machine import machine_label
 from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.tokens import eos_ids
-from fastdecode.training.answers import generated_answers, save_corpus
-from fastdecode.training.features import FeatureDataset, cache_training_features, generation_prompts
-from recipes.common import TrainJob, full_state_dict, job_tokenizer
-from recipes.finetune import FinetuneRun, Recipe, finetune
+from fastdecode.training.drafter_report import drafter_record, table_text
+from fastdecode.training.features import FeatureDataset
+from recipes.common import TrainJob, job_tokenizer
+from recipes.finetune import FinetuneRun, finetune
+from recipes.frozen_target import FrozenTargetRecipe
 
 log = logging.getLogger(__name__)
 
@@ -55,39 +48,20 @@ class RecordDataset(FeatureDataset):
         self.fields.append("input_ids")
 
 
-class DFlashRecipe(Recipe):
-    """The drafter beside a frozen target: the cached features are the Trainer's dataset, the export is the
-    drafter in the native format, never the target."""
+class DFlashRecipe(FrozenTargetRecipe):
+    """The drafter beside a frozen target (``recipes.frozen_target``): the export is the drafter in the native
+    format."""
 
     trainer_class = DFlashTrainer
-    checkpoints_the_model = False  # the drafter only
+    drafter_name = "DFlash drafter"
 
     def __init__(self, job: TrainJob) -> None:
         super().__init__(job)
         self.rcfg = to_dataclass(DFlashRecipeConfig, job.recipe, "recipe")
-        self.m: EarlyExitModel | None = None
         self.draft: DFlashDraft | None = None
         self.cfg: DFlashConfig | None = None
         self.mask_reason = ""
-        self.base_hash = ""
-        self.feature_dir = Path(self.rcfg.features.dir or Path(job.output_dir) / "features")
-        self.reader = None
-        self.report_prompts: list[list[int]] = []
-        self.figures: dict = {}
-        self.answers: list[dict] = []  # the target's generated training answers (source=generate)
-        self.fingerprint: dict = {}
-
-    def prepare(self) -> None:
-        if self.job.peft.method != "none":
-            raise ConfigError(
-                "recipe=dflash trains a drafter beside a frozen target: set peft=none (LoRA would change the "
-                "target the drafter drafts for)."
-            )
-        if self.rcfg.report.enabled and self.rcfg.report.data is not None:
-            if self.rcfg.report.data not in group_choices("data"):
-                raise unknown_name_error(
-                    "recipe.report.data", self.rcfg.report.data, group_choices("data"), "(configs/data)"
-                )
+        self.scale: torch.Tensor | None = None  # the features' channel RMS while training (scaling.py)
 
     def validate(self, config) -> None:
         """Every setting against the target's config and tokenizer, before its weights load: the layers, the
@@ -106,80 +80,42 @@ class DFlashRecipe(Recipe):
         )
 
     def loaded(self, model, tokenizer) -> None:
-        model.requires_grad_(False)
-        model.eval()
-        self.base_hash = weights_fingerprint(model, full=True)
-        self.m = EarlyExitModel(model)
+        super().loaded(model, tokenizer)
         check_target_head(self.m, self.cfg.hidden_size)
 
     def datasets(self, tokenizer) -> tuple[Any, list[dict]]:
         """The feature cache (built or resumed), the drafter, and the report's held-out prompts."""
-        rcfg, m = self.rcfg, self.m
         train, held_out = build_datasets(self.job.data, tokenizer)
-        if rcfg.report.enabled:
-            self.report_prompts = self._report_prompts(tokenizer, held_out, train)
-        exits = rcfg.cached_exits(m.num_layers)
-        self.reader = cache_training_features(
-            m, tokenizer, train, self.feature_dir, rcfg.features, exits=exits, data=self.job.data
-        )
-        if rcfg.features.source == "generate":  # the corpus beside the drafter: these answers, no new ones
-            prompts = generation_prompts(train, tokenizer, rcfg.features.max_prompt_tokens)
-            self.answers = generated_answers(self.reader, prompts, tokenizer)
-            self.fingerprint = corpus_fingerprint(tokenizer)
-        dataset = RecordDataset(self.reader, self.cfg.feature_ids, teacher=rcfg.loss != "ce")
-        self.draft = DFlashDraft(self.cfg).to(m.device)
+        self.report_prompts_for(tokenizer, held_out, train)
+        reader = self.cached_features(train, tokenizer, self.rcfg.cached_exits(self.m.num_layers))
+        dataset = RecordDataset(reader, self.cfg.feature_ids, teacher=self.rcfg.loss != "ce")
+        if self.rcfg.feature_scale == "rms":
+            self.scale = feature_rms(reader, self.cfg.feature_ids)
+        self.draft = DFlashDraft(self.cfg).to(self.m.device)
         return dataset, held_out
-
-    def _report_prompts(self, tokenizer, held_out: list[dict], train: list[dict]) -> list[list[int]]:
-        """The report's held-out prompts; another data config's drop those with a twin among the training
-        prompts (``data.twins``; the training data's own held-out split has none)."""
-        r = self.rcfg.report
-        if r.data is not None:
-            held_out = build_datasets(load_group("data", r.data, DataConfig, max_samples=1), tokenizer)[1]
-            trained = prompt_keys(ex.get("prompt") for ex in train)
-            held_out = drop_twins(held_out, trained, lambda ex: ex.get("prompt"))[0]
-        found = generation_prompts(held_out, tokenizer, r.max_prompt_tokens)
-        return [p["input_ids"] for p in found[: r.prompts]]
-
-    def eval_dataset(self, held_out: list[dict]) -> None:
-        return None  # held-out prompts feed the acceptance report
 
     def collator(self, tokenizer, model):
         return functools.partial(collate_records, feature_ids=self.cfg.feature_ids)
-
-    def training_args(self) -> dict:
-        return {"remove_unused_columns": False}
 
     def module(self, model, args) -> DFlashLM:
         r = self.rcfg
         loss = {"kind": r.loss, "gamma": r.gamma, "num_anchors": r.num_anchors, "seed": self.job.seed}
         m = self.m if model is self.m.hf else EarlyExitModel(model)
-        return DFlashLM(m, self.draft, loss)
-
-    def summary(self) -> dict:
-        features = {"mode": self.rcfg.features.mode}
-        if self.reader is not None:
-            features |= {"dir": str(self.feature_dir), **self.reader.manifest.get("summary", {})}
-        final = Path(self.job.output_dir) / "final"
-        return {"final": str(final), "features": features, "base_weights_sha256": self.base_hash}
+        return DFlashLM(m, self.draft, loss, self.scale)
 
     def export(self, run: FinetuneRun):
-        """The trained drafter (gathered on every rank: ZeRO-3 partitions) into ``final/`` on rank 0, loaded
-        back (the export check and the report then run the saved drafter, which must equal the trained one).
-        Returns the target on rank 0, None elsewhere."""
-        if weights_fingerprint(self.m.hf, full=True) != self.base_hash:
-            raise RuntimeError("the target's weights changed during DFlash training: they must stay frozen")
-        trained = full_state_dict(
-            run.trainer.accelerator.unwrap_model(run.trainer.model_wrapped)
-        )  # all ranks
-        if not is_main_process():
+        """The trained drafter into ``final/`` on rank 0 (native format, the feature scale folded into ``fc``,
+        and the drafts per round the engines should run), loaded back (the export check and the report then run the saved drafter, which must
+        equal the trained one). Returns the target on rank 0, None elsewhere."""
+        trained = self.trained_state(run)
+        if trained is None:
             return None
-        draft = DFlashDraft(self.cfg)  # on the CPU, whole (ZeRO-3 partitions gathered above)
-        draft.load_state_dict(
-            {k.removeprefix("draft."): v for k, v in trained.items() if k.startswith("draft.")}
-        )
+        draft = DFlashDraft(self.cfg)  # on the CPU, whole (ZeRO-3 partitions gathered)
+        draft.load_state_dict(trained)
         draft.eval()
-        save_dflash(draft, run.stage, in_place=True)
+        if self.scale is not None:
+            fold_feature_scale(draft, self.scale)
+        save_dflash(draft, run.stage, speculative_tokens=self.rcfg.drafts, in_place=True)
         loaded, cfg = load_dflash(run.stage)
         live = draft.state_dict()
         if cfg != self.cfg or any(not torch.equal(v, live[k]) for k, v in loaded.state_dict().items()):
@@ -187,6 +123,7 @@ class DFlashRecipe(Recipe):
                 f"the drafter saved in {run.stage} does not load back equal to the trained one"
             )
         self.draft = loaded.float().to(self.m.device)
+        self.scale = None  # folded: the export check's module reads the raw features
         return self.m.hf
 
     def after_report(self, run: FinetuneRun) -> dict:
@@ -212,21 +149,11 @@ class DFlashRecipe(Recipe):
             batch_size=r.batch_size,
             eos=eos_ids(self.m.hf, run.tokenizer),
         )
-        log.info("%s", table_text(self.figures))
+        log.info("%s", table_text(self.figures, "DFlash block drafting"))
         return out | {"acceptance": self.figures}
 
-    def extra_files(self, run: FinetuneRun) -> dict:
-        """``acceptance.json``, and ``corpus.sfx``: the answers the target generated for the drafter's training
-        (the training split only), token ids as generated, its prompts' twin keys in the header."""
-        if self.figures:
-            write_record(run.stage, drafter_record(self.figures, machine_label(run.args.device)))
-        if not self.answers:
-            return {}
-        sequences = [a["response_ids"] for a in self.answers]
-        prompts = [a["prompt"] for a in self.answers]
-        path = run.stage / DRAFTER_CORPUS
-        built = save_corpus(path, sequences, prompts, fingerprint=self.fingerprint)
-        return {"corpus": built | {"path": str(run.out / "final" / DRAFTER_CORPUS)}}
+    def drafter_record(self, figures: dict, machine: str):
+        return drafter_record(figures, machine, "dflash")
 
 
 def run(job: TrainJob, cfg: Any = None) -> dict:

@@ -110,6 +110,16 @@ def test_feature_ids_are_the_hidden_states_indices_engines_capture():
     assert cfg.features_width == 2 * 64
 
 
+def test_from_target_reads_each_familys_mlp_width():
+    from transformers import LlamaConfig, OPTConfig
+
+    llama = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4)
+    opt = OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=6, num_attention_heads=4)
+    assert DFlashConfig.from_target(llama, mask_token_id=0).intermediate_size == 96
+    assert DFlashConfig.from_target(opt, mask_token_id=0).intermediate_size == 128
+    assert DFlashConfig.from_target(opt, mask_token_id=0, intermediate_size=32).intermediate_size == 32
+
+
 def test_a_mask_token_outside_the_embedding_is_refused():
     with pytest.raises(DFlashConfigError, match="mask_token_id=100"):
         small_config(mask_token_id=100)

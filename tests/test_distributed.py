@@ -98,19 +98,9 @@ def test_skipdecode_two_process_ddp_exports_a_loadable_checkpoint(tmp_path):
     assert all(p.numel() > 0 for p in model.parameters())
 
 
-@pytest.mark.parametrize("kind,deepspeed", [("ddp", "none"), ("deepspeed", "zero2"), ("deepspeed", "zero3")])
-def test_eagle3_two_process_training_exports_the_trained_head(tmp_path, kind, deepspeed):
-    """Rank 0 builds the feature cache, the other rank reuses it; the head is gathered (ZeRO-3) and saved
-    once, equal to the last checkpoint's."""
-    from fastdecode.drafters.eagle3.files import load_eagle3
-
-    data = write_chat_jsonl(tmp_path / "chat.jsonl")
-    out = tmp_path / "run"
-    args = [
-        "train.py",
-        "recipe=eagle3",
-        "recipe.aux_layer_ids=[1,2,3]",
-        "recipe.draft_vocab_size=100",
+def _feature_recipe_args(data: Path, deepspeed: str, out: Path) -> list[str]:
+    """A drafter trained on a tiny feature cache (8 generated answers), 2 steps, checkpointed at the end."""
+    return [
         "recipe.features.max_new_tokens=6",
         "recipe.features.max_records=8",
         "recipe.features.batch_size=4",
@@ -126,6 +116,23 @@ def test_eagle3_two_process_training_exports_the_trained_head(tmp_path, kind, de
         "trainer.per_device_train_batch_size=2",
         f"deepspeed={deepspeed}",
         f"output_dir={out}",
+    ]
+
+
+@pytest.mark.parametrize("kind,deepspeed", [("ddp", "none"), ("deepspeed", "zero2"), ("deepspeed", "zero3")])
+def test_eagle3_two_process_training_exports_the_trained_head(tmp_path, kind, deepspeed):
+    """Rank 0 builds the feature cache, the other rank reuses it; the head is gathered (ZeRO-3) and saved
+    once, equal to the last checkpoint's."""
+    from fastdecode.drafters.eagle3.files import load_eagle3
+
+    data = write_chat_jsonl(tmp_path / "chat.jsonl")
+    out = tmp_path / "run"
+    args = [
+        "train.py",
+        "recipe=eagle3",
+        "recipe.aux_layer_ids=[1,2,3]",
+        "recipe.draft_vocab_size=100",
+        *_feature_recipe_args(data, deepspeed, out),
     ]
     _train(kind, args)
     summary = json.loads((out / "summary.json").read_text())
@@ -142,7 +149,9 @@ def test_dflash_two_process_training_exports_the_trained_drafter(tmp_path, kind,
     gathered (ZeRO-3) and saved once, in the native format, equal to the last checkpoint's."""
     from safetensors.torch import load_file
 
+    from dflash_train.scaling import feature_rms
     from fastdecode.drafters.dflash.files import load_dflash
+    from fastdecode.files.tensor_shards import ShardReader
 
     data = write_chat_jsonl(tmp_path / "chat.jsonl")
     out = tmp_path / "run"
@@ -153,21 +162,7 @@ def test_dflash_two_process_training_exports_the_trained_drafter(tmp_path, kind,
         "recipe.block_size=4",
         "recipe.num_anchors=4",
         "recipe.loss=both",
-        "recipe.features.max_new_tokens=6",
-        "recipe.features.max_records=8",
-        "recipe.features.batch_size=4",
-        "recipe.features.shard_records=4",
-        "recipe.report.prompts=2",
-        "recipe.report.max_new_tokens=6",
-        "model=tiny-llama",
-        "data=jsonl",
-        f"data.path={data}",
-        "data.held_out=4",
-        "trainer.max_steps=2",
-        "trainer.save_steps=2",
-        "trainer.per_device_train_batch_size=2",
-        f"deepspeed={deepspeed}",
-        f"output_dir={out}",
+        *_feature_recipe_args(data, deepspeed, out),
     ]
     _train(kind, args)
     summary = json.loads((out / "summary.json").read_text())
@@ -175,7 +170,11 @@ def test_dflash_two_process_training_exports_the_trained_drafter(tmp_path, kind,
     assert check["abs_diff"] <= check["tolerance"] and summary["features"]["sequences"] == 8
     draft = load_dflash(out / "final")[0].state_dict()
     assert all(v.numel() > 0 for v in draft.values())  # no empty ZeRO-3 partitions saved
-    if kind == "ddp":  # the checkpoint holds the module's state dict as is
+    if (
+        kind == "ddp"
+    ):  # the checkpoint holds the module's state dict as is; the export folds the scale into fc
         saved = load_file(out / "checkpoint-2" / "model.safetensors")
-        assert all(torch.equal(draft[k], saved[f"draft.{k}"]) for k in draft)
+        scale = feature_rms(ShardReader(out / "features"), [1, 2, 3])
+        assert torch.allclose(draft["fc.weight"], saved["draft.fc.weight"] / scale, rtol=1e-6, atol=0)
+        assert all(torch.equal(draft[k], saved[f"draft.{k}"]) for k in draft if k != "fc.weight")
     assert (out / "final" / "acceptance.json").is_file()

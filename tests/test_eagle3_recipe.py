@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import recipes
 from eagle3_train.losses import ttt_loss
 from eagle3_train.module import step0_items
-from eagle3_train.report import leading_matches
+from eagle3_train.report import chain_drafts
 from fastdecode.api import FastDecoder
 from fastdecode.config import ConfigError, load_group
 from fastdecode.data.config import DataConfig
@@ -39,6 +39,7 @@ from fastdecode.registry import corpus_fingerprint, corpus_prompt_keys
 from fastdecode.runtime.model import EarlyExitModel
 from fastdecode.tokens import IGNORE_INDEX
 from fastdecode.training.answers import ANSWERS_FILE
+from fastdecode.training.drafter_report import leading_matches
 from tests.helpers import tiny_model
 from tests.job_configs import LIVELY, train_cfg
 
@@ -279,7 +280,7 @@ def test_the_report_replays_chain_drafting_exactly():
         answer.append(int(head.draft_to_target(logits[0, -1].argmax())))
     record = {"input_ids": torch.tensor(prompt + answer[:-1]), "targets": torch.tensor(answer)}
     record |= {f"h{a}": part for a, part in zip(AUX, features[0].chunk(3, dim=-1), strict=True)}
-    lead, hits, tried = leading_matches(head, m, record, AUX, 8)
+    lead, hits, tried = leading_matches(chain_drafts(head, m, record, AUX, 8), answer)
     ids = prompt + answer
     for j in range(1, n):
         by_hand = chain_accepted(head, m, ids, features, len(prompt) + j - 2, answer[j:])

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from fastdecode.decoding import tree
-from fastdecode.decoding.common import Prefill, Rows, choose, probabilities, sample
+from fastdecode.decoding.common import Prefill, Rows, choose, left_pad, probabilities, sample
 from fastdecode.decoding.config import DecodeConfig, DecodeOutput
 from fastdecode.decoding.policies import POLICIES, DraftPolicy
 from fastdecode.runtime.cache import KVCache
@@ -326,3 +326,28 @@ def speculate(
         out.layers_run += draft.layers_run + (draft.k + 1) * (m.num_layers - draft.depth) * live
         out.layer_calls += draft.layer_calls + m.num_layers - draft.depth
     return out
+
+
+@dataclass
+class CapturedPrefill:
+    """The target's prefill of left-padded prompts with its feature layers captured (``prefill_capturing``)."""
+
+    ids: torch.Tensor  # [B, W] left-padded prompt ids
+    valid: torch.Tensor  # [B, W] bool: a real token
+    positions: torch.Tensor  # [B, W]
+    cache: KVCache  # the target's cache, the prompts written
+    hidden: torch.Tensor  # [B, W, H] the final residual stream
+    features: torch.Tensor  # [B, W, F*H] (``run_capturing``)
+
+
+def prefill_capturing(
+    m: EarlyExitModel, prompts: list[list[int]], capacity: int, layers: tuple[int, ...]
+) -> CapturedPrefill:
+    """Prefill the target over ``prompts`` (left-padded, a cache of ``capacity`` slots at least), capturing
+    the residual stream after each of ``layers`` blocks: what a drafter reading the target's features starts
+    from."""
+    ids, valid, positions = left_pad(prompts, m.device)
+    cache = m.new_cache(ids.shape[0], max(capacity, ids.shape[1]))
+    cache.reserve(valid, 0, positions)
+    hidden, features = run_capturing(m, m.embed(ids, positions), 0, positions, cache, layers=layers)
+    return CapturedPrefill(ids, valid, positions, cache, hidden, features)

@@ -25,10 +25,9 @@ from fastdecode.config import ConfigError
 from fastdecode.drafters.dflash.layer import DFlashDraft
 from fastdecode.drafters.dflash.model import DFlashConfig
 from fastdecode.files.checkpoint import CheckpointError
+from fastdecode.files.drafter_dir import CONFIG_FILE, WEIGHTS_FILE, check_state, read_config_json
 from fastdecode.files.io import atomic_directory
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 NATIVE_ARCHITECTURE = "DFlashDraftModel"
 SPECULATORS_ARCHITECTURE = "DFlashSpeculator"
 SPECULATORS_DIR = "speculators"  # save_dflash's subfolder in the speculators format
@@ -98,15 +97,17 @@ def layer_config(cfg: DFlashConfig) -> dict[str, Any]:
     }
 
 
-def fastdecode_fields(cfg: DFlashConfig) -> dict[str, Any]:
-    """What no engine reads and fastdecode checks a target against: its architectures and tied head."""
+def fastdecode_fields(cfg: DFlashConfig, speculative_tokens: int) -> dict[str, Any]:
+    """What no engine reads: the target's architectures and tied head (checked against a target) and the
+    drafts per round the drafter was trained to serve (an engine's ``num_speculative_tokens``)."""
     return {
         "target_architectures": list(cfg.target_architectures),
         "target_tie_word_embeddings": cfg.tie_word_embeddings,
+        "speculative_tokens": speculative_tokens,
     }
 
 
-def native_config(cfg: DFlashConfig) -> dict[str, Any]:
+def native_config(cfg: DFlashConfig, speculative_tokens: int) -> dict[str, Any]:
     """``config.json`` of the native format: the reference drafts' keys, ``block_size`` at the top and in
     ``dflash_config`` (loaders read either), plus vLLM's capture ids written out (``capture_layer_ids``), so
     every vLLM version reads the same layers whether or not it adds the 1 itself."""
@@ -121,11 +122,11 @@ def native_config(cfg: DFlashConfig) -> dict[str, Any]:
         },
         "eagle_aux_hidden_state_layer_ids": capture_layer_ids(cfg.target_layer_ids),
         "target_hidden_size": cfg.target_hidden_size,
-        FASTDECODE_KEY: fastdecode_fields(cfg),
+        FASTDECODE_KEY: fastdecode_fields(cfg, speculative_tokens),
     }
 
 
-def speculators_config(cfg: DFlashConfig, verifier: Verifier) -> dict[str, Any]:
+def speculators_config(cfg: DFlashConfig, verifier: Verifier, speculative_tokens: int) -> dict[str, Any]:
     """``speculators/config.json`` (speculators' ``DFlashSpeculatorConfig``). ``sliding_window_non_causal``
     is true although no layer slides: vLLM maps it to ``dflash_config.causal = not it`` for every layer
     (``update_dflash``), so false would serve the non-causal block causally."""
@@ -144,13 +145,13 @@ def speculators_config(cfg: DFlashConfig, verifier: Verifier) -> dict[str, Any]:
         "speculators_config": {
             "algorithm": "dflash",
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
             "verifier": {
                 "name_or_path": verifier.name_or_path,
                 "architectures": list(verifier.architectures),
             },
         },
-        FASTDECODE_KEY: fastdecode_fields(cfg),
+        FASTDECODE_KEY: fastdecode_fields(cfg, speculative_tokens),
     }
 
 
@@ -180,22 +181,30 @@ def save_dflash(
     out_dir: str | os.PathLike,
     *,
     speculators: Verifier | None = None,
+    speculative_tokens: int | None = None,
     in_place: bool = False,
 ) -> Path:
     """Write ``draft`` to ``out_dir`` in the native format and, with ``speculators`` (the target's
     embedding and head), to ``out_dir/speculators`` in the speculators format, as one atomic directory.
-    ``in_place``: into the existing ``out_dir``, itself a staging directory its caller renames (e.g. a
-    training run's ``final/``)."""
+    ``speculative_tokens``: the drafts per round to advertise (1 .. B - 1; None: B - 1). ``in_place``: into
+    the existing ``out_dir``, itself a staging directory its caller renames (e.g. a training run's
+    ``final/``)."""
     cfg = draft.config
+    k = cfg.block_size - 1 if speculative_tokens is None else int(speculative_tokens)
+    if not 1 <= k < cfg.block_size:
+        raise ConfigError(
+            f"speculative_tokens={speculative_tokens} is outside 1 .. block_size - 1 = {cfg.block_size - 1}: "
+            "a block drafts at most B - 1 tokens"
+        )
     state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
     dtype = draft.fc.weight.dtype
     extra = verifier_weights(cfg, speculators) if speculators is not None else {}
 
     def write(folder: Path) -> None:
-        _write(folder, native_config(cfg), state, dtype)
+        _write(folder, native_config(cfg, k), state, dtype)
         if speculators is not None:
             own = {k: v.to(dtype) for k, v in extra.items()}
-            _write(folder / SPECULATORS_DIR, speculators_config(cfg, speculators), {**state, **own}, dtype)
+            _write(folder / SPECULATORS_DIR, speculators_config(cfg, speculators, k), {**state, **own}, dtype)
 
     if in_place:
         write(Path(out_dir))
@@ -206,19 +215,13 @@ def save_dflash(
 
 
 def _read_json(folder: Path) -> dict[str, Any]:
-    path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise DFlashFileError(
-            f"{path}: no such file, so {folder} is not a DFlash drafter; give the directory save_dflash "
-            f"(recipe=dflash's final/) wrote, or its {SPECULATORS_DIR}/ subfolder"
-        )
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise DFlashFileError(f"{path} is not valid JSON ({err}): write the drafter again") from err
-    if not isinstance(config, dict):
-        raise DFlashFileError(f"{path} holds no JSON object: write the drafter again")
-    return config
+    return read_config_json(
+        folder / CONFIG_FILE,
+        DFlashFileError,
+        f"{folder} is not a DFlash drafter; give the directory save_dflash (recipe=dflash's final/) wrote, or "
+        f"its {SPECULATORS_DIR}/ subfolder",
+        "write the drafter again",
+    )
 
 
 def _check_layers(layer: dict[str, Any], inner: dict[str, Any], path: Path) -> None:
@@ -369,17 +372,7 @@ def load_dflash(path: str | os.PathLike) -> tuple[DFlashDraft, DFlashConfig]:
     state = _read_weights(folder, cfg)
     draft = DFlashDraft(cfg)
     expected = draft.state_dict()
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    wrong = [
-        f"{k} {tuple(state[k].shape)} (expected {tuple(v.shape)})"
-        for k, v in expected.items()
-        if k in state and state[k].shape != v.shape
-    ]
-    if missing or extra or wrong:
-        raise DFlashFileError(
-            f"{folder / WEIGHTS_FILE} does not match {folder / CONFIG_FILE}: missing {missing}, unexpected "
-            f"{extra}, misshapen {wrong}; write the drafter again"
-        )
+    check_state(expected, state, folder, DFlashFileError, "write the drafter again")
     draft.to(state["fc.weight"].dtype)
     draft.load_state_dict(state)
     return draft, cfg

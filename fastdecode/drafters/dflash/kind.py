@@ -32,6 +32,7 @@ from fastdecode.drafters.dflash.layer import DFlashDraft
 from fastdecode.drafters.dflash.model import DFlashConfig
 from fastdecode.drafters.dflash.options import DFlashOptions
 from fastdecode.drafters.dflash.proposer import ContextCache, DFlashProposer, block_round_cost
+from fastdecode.files.drafter_dir import check_fit, drafter_needed, load_once
 from fastdecode.files.file_cache import FileCache
 from fastdecode.plan.acceptance import read_record
 from fastdecode.plan.cost import PROBE_CONTEXT, CostModel, block_parameters, plain_step, timed
@@ -70,12 +71,7 @@ def check_draft(cfg: DFlashConfig, m: EarlyExitModel, path: str) -> None:
         "vocabulary size": (cfg.vocab_size, m.vocab_size),
         "layer count": (cfg.num_target_layers, m.num_layers),
     }
-    for what, (draft, model) in found.items():
-        if draft != model:
-            raise ConfigError(
-                f"{where} is a DFlash drafter for a target of {what} {draft}, but this model has {model}: "
-                "give a drafter trained for this model."
-            )
+    check_fit(found, where, "a DFlash drafter")
     if m.lm_head.in_features != cfg.hidden_size:
         raise ConfigError(
             f"{where}: this model's head reads {m.lm_head.in_features}-wide states, not its hidden size "
@@ -88,11 +84,7 @@ def check(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=
     """A DFlash directory is named and fits the model (read from its config, before any weights load); no
     token trees; ``decoder.dflash.slots`` within the drafter's block."""
     if cfg.drafter is None:
-        raise ConfigError(
-            "decoder 'dflash' needs decoder.drafter=PATH (Python: from_pretrained(..., drafter=PATH) or "
-            "generate(..., drafter=PATH)): the directory of a DFlash drafter trained for this model (`python "
-            "train.py recipe=dflash` writes one to <run>/final), or a z-lab / SpecForge DFlashDraftModel."
-        )
+        raise drafter_needed(NAME, "a DFlash drafter", "dflash", "a z-lab / SpecForge DFlashDraftModel")
     for group, options in cfg.groups.items():
         if getattr(options, "tree", False):
             raise ConfigError(
@@ -112,15 +104,8 @@ def check(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=
 def load_draft(path: str, m: EarlyExitModel) -> DFlashDraft:
     """The drafter in ``path`` on ``m``'s device and dtype, in eval mode; loaded once per model and version of
     its files. After ``check_draft``."""
-    folder = Path(path)
 
-    def load() -> DFlashDraft:
-        draft, cfg = load_dflash(folder)
-        check_draft(cfg, m, path)
-        return draft.to(device=m.device, dtype=m.dtype).eval().requires_grad_(False)
-
-    files = [folder / CONFIG_FILE, folder / WEIGHTS_FILE]
-    return _LOADED.get(files, load, key=(str(m.device), str(m.dtype)), owner=m)
+    return load_once(_LOADED, path, [CONFIG_FILE, WEIGHTS_FILE], m, read=load_dflash, check=check_draft)
 
 
 def pass_costs(costs: CostModel, m: EarlyExitModel, draft: DFlashDraft, slots: int) -> tuple[float, float]:

@@ -127,7 +127,10 @@ class DFlashConfig:
             num_attention_heads=config.num_attention_heads,
             num_key_value_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim=getattr(config, "head_dim", None) or hidden // config.num_attention_heads,
-            intermediate_size=config.intermediate_size,
+            # the MLP width by the family's name for it (OPT: ffn_dim), else 4x the width
+            intermediate_size=getattr(config, "intermediate_size", None)
+            or getattr(config, "ffn_dim", None)
+            or 4 * hidden,
             vocab_size=config.vocab_size,
             target_layer_ids=ids,
             num_target_layers=layers,

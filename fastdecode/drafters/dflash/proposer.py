@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from fastdecode.decoding.common import Prefill, left_pad, probabilities
+from fastdecode.decoding.common import Prefill, probabilities
 from fastdecode.decoding.config import DecodeConfig
 from fastdecode.decoding.proposers import Proposer, one_hot
-from fastdecode.decoding.speculative import Draft, Round, Verdict, run_capturing
+from fastdecode.decoding.speculative import Draft, Round, Verdict, prefill_capturing
 from fastdecode.drafters.dflash.layer import DFlashDraft
 from fastdecode.plan.cost import CostModel
 from fastdecode.runtime.cache import KVCache
@@ -94,20 +94,14 @@ class DFlashProposer(Proposer):
 
     def start(self, m: EarlyExitModel, prompts: list[list[int]], capacity: int) -> Prefill:
         """Prefill the target, capturing the prompt's features, and write every prompt token's context."""
-        ids, valid, positions = left_pad(prompts, m.device)
-        batch, width = ids.shape
-        cache = m.new_cache(batch, max(capacity, width))
-        cache.reserve(valid, 0, positions)
-        hidden, features = run_capturing(
-            m, m.embed(ids, positions), 0, positions, cache, layers=self.feature_layers
-        )
+        pre = prefill_capturing(m, prompts, capacity, self.feature_layers)
         net = m.engine.packed(self.drafter) if m.engine is not None else self.drafter
-        self.context = ContextCache(m, net, batch, cache.capacity)
-        self.context.write(features, self.clamped(positions), valid)
+        self.context = ContextCache(m, net, len(prompts), pre.cache.capacity)
+        self.context.write(pre.features, self.clamped(pre.positions), pre.valid)
         mask = torch.tensor([[self.drafter.config.mask_token_id]], device=m.device)
         self.masks = m.token_embed(mask)
         lengths = torch.tensor([len(p) for p in prompts], device=m.device)
-        return Prefill(cache, lengths, m.exit_logits(hidden[:, -1]))
+        return Prefill(pre.cache, lengths, m.exit_logits(pre.hidden[:, -1]))
 
     # -- drafting -----------------------------------------------------------------------------------------
     def block(self, r: Round) -> torch.Tensor:

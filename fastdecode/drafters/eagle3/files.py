@@ -25,12 +25,11 @@ from safetensors.torch import load_file, save_file
 from fastdecode.config import ConfigError
 from fastdecode.drafters.eagle3.model import Eagle3Config, Eagle3Head, rope_theta_of, vocab_maps_agree
 from fastdecode.files.checkpoint import CheckpointError
+from fastdecode.files.drafter_dir import CONFIG_FILE, WEIGHTS_FILE, check_state, read_config_json
 from fastdecode.files.io import atomic_directory
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 SGLANG_DIR = "sglang"
 SPECULATORS_ARCHITECTURES = ("Eagle3DraftModel", "Eagle3Speculator")
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -214,21 +213,12 @@ def _warn_unserved(cfg: Eagle3Config, out_dir: Path) -> list[str]:
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
-    path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise Eagle3FileError(
-            f"{path}: no such file, so {folder} is not an EAGLE-3 head; give the directory save_eagle3 wrote "
-            f"(or its {SGLANG_DIR}/ subfolder)"
-        )
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise Eagle3FileError(
-            f"{path} is not valid JSON ({err}): write the head again with save_eagle3"
-        ) from err
-    if not isinstance(config, dict):
-        raise Eagle3FileError(f"{path} holds no JSON object: write the head again with save_eagle3")
-    return config
+    return read_config_json(
+        folder / CONFIG_FILE,
+        Eagle3FileError,
+        f"{folder} is not an EAGLE-3 head; give the directory save_eagle3 wrote (or its {SGLANG_DIR}/ subfolder)",
+        "write the head again with save_eagle3",
+    )
 
 
 def _field(config: dict[str, Any], key: str, path: Path) -> Any:
@@ -316,17 +306,7 @@ def _check_weights(head: Eagle3Head, state: dict[str, torch.Tensor], path: Path)
     cfg = head.config
     if "d2t" not in state and "t2d" not in state and cfg.draft_vocab_size == cfg.vocab_size:
         state.update(d2t=expected["d2t"], t2d=expected["t2d"])  # no draft vocabulary: the identity
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    wrong = [
-        f"{k} {tuple(state[k].shape)} (expected {tuple(v.shape)})"
-        for k, v in expected.items()
-        if k in state and state[k].shape != v.shape
-    ]
-    if missing or extra or wrong:
-        raise Eagle3FileError(
-            f"{path / WEIGHTS_FILE} does not match {path / CONFIG_FILE}: missing {missing}, unexpected "
-            f"{extra}, misshapen {wrong}; write the head again with save_eagle3"
-        )
+    check_state(expected, state, path, Eagle3FileError, "write the head again with save_eagle3")
     if not vocab_maps_agree(state["d2t"], state["t2d"]):
         raise Eagle3FileError(
             f"{path / WEIGHTS_FILE}: d2t and t2d describe different draft vocabularies; write the head "

@@ -9,8 +9,6 @@ acceptance (``offers``). The proposer is ``proposer.Eagle3Proposer``. Design not
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from fastdecode.config import ConfigError
@@ -20,6 +18,7 @@ from fastdecode.drafters.eagle3.files import CONFIG_FILE, WEIGHTS_FILE, load_eag
 from fastdecode.drafters.eagle3.model import FEATURES, Eagle3Config, Eagle3Head, check_aux_layer_ids
 from fastdecode.drafters.eagle3.options import Eagle3Options
 from fastdecode.drafters.eagle3.proposer import Eagle3Proposer, HeadRows
+from fastdecode.files.drafter_dir import check_fit, drafter_needed, load_once
 from fastdecode.files.file_cache import FileCache
 from fastdecode.plan.acceptance import read_record
 from fastdecode.plan.cost import PROBE_CONTEXT, CostModel, block_parameters, plain_step, timed
@@ -40,12 +39,7 @@ def check_head(cfg: Eagle3Config, m: EarlyExitModel, path: str) -> None:
         "hidden size (the width of the target's embedding)": (cfg.hidden_size, target.hidden_size),
         "vocabulary size": (cfg.vocab_size, target.vocab_size),
     }
-    for what, (head, model) in found.items():
-        if head != model:
-            raise ConfigError(
-                f"{where} is an EAGLE-3 head for a target of {what} {head}, but this model has {model}: "
-                "give a head trained for this model."
-            )
+    check_fit(found, where, "an EAGLE-3 head")
     try:
         check_aux_layer_ids(cfg.aux_layer_ids, m.num_layers)
     except ConfigError as err:
@@ -55,11 +49,7 @@ def check_head(cfg: Eagle3Config, m: EarlyExitModel, path: str) -> None:
 def check(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=None) -> None:
     """A head directory is named and fits the model (read from its config, before any weights load)."""
     if cfg.drafter is None:
-        raise ConfigError(
-            "decoder 'eagle3' needs decoder.drafter=PATH (Python: from_pretrained(..., drafter=PATH) or "
-            "generate(..., drafter=PATH)): the directory of an EAGLE-3 head trained for this model (`python "
-            "train.py recipe=eagle3` writes one to <run>/final), or a speculators / SpecForge checkpoint."
-        )
+        raise drafter_needed("eagle3", "an EAGLE-3 head", "eagle3", "a speculators / SpecForge checkpoint")
     if Eagle3Options.of(cfg).tree and cfg.chain:
         raise ConfigError(
             "decoder.eagle3.tree=true drafts token trees, which a chain (decoder.chain=true) does not draft: "
@@ -71,15 +61,8 @@ def check(m: EarlyExitModel, prompts: list[list[int]], cfg: DecodeConfig, draft=
 def load_head(path: str, m: EarlyExitModel) -> Eagle3Head:
     """The head in ``path`` on ``m``'s device and dtype, in eval mode; loaded once per model and version of
     its files. After ``check_head``."""
-    folder = Path(path)
 
-    def load() -> Eagle3Head:
-        head, cfg = load_eagle3(folder)
-        check_head(cfg, m, path)
-        return head.to(device=m.device, dtype=m.dtype).eval().requires_grad_(False)
-
-    files = [folder / CONFIG_FILE, folder / WEIGHTS_FILE]
-    return _LOADED.get(files, load, key=(str(m.device), str(m.dtype)), owner=m)
+    return load_once(_LOADED, path, [CONFIG_FILE, WEIGHTS_FILE], m, read=load_eagle3, check=check_head)
 
 
 def head_token_cost(costs: CostModel, m: EarlyExitModel, head: Eagle3Head) -> float:

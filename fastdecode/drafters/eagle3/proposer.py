@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from fastdecode.decoding.common import Prefill, left_pad
+from fastdecode.decoding.common import Prefill
 from fastdecode.decoding.config import DecodeConfig
 from fastdecode.decoding.policies import LaggedFlag
 from fastdecode.decoding.proposers import Proposer, one_hot, pick_token
-from fastdecode.decoding.speculative import Draft, Round, Verdict, run_capturing
+from fastdecode.decoding.speculative import Draft, Round, Verdict, prefill_capturing
 from fastdecode.drafters.eagle3.layer import causal_mask
 from fastdecode.drafters.eagle3.model import Eagle3Head
 from fastdecode.drafters.eagle3.options import Eagle3Options
@@ -99,19 +99,16 @@ class Eagle3Proposer(Proposer):
 
     def start(self, m: EarlyExitModel, prompts: list[list[int]], capacity: int) -> Prefill:
         """Prefill the target, capturing the prompt's features, and the head's rows for the prompt."""
-        ids, valid, positions = left_pad(prompts, m.device)
-        batch, width = ids.shape
-        cache = m.new_cache(batch, max(capacity, width))
-        cache.reserve(valid, 0, positions)
-        hidden, features = run_capturing(
-            m, m.embed(ids, positions), 0, positions, cache, layers=self.feature_layers
-        )
-        self.head_rows = HeadRows(m, self.head, batch, cache.capacity)  # (a chain may have retired it: kept)
+        pre = prefill_capturing(m, prompts, capacity, self.feature_layers)
+        features = pre.features
+        self.head_rows = HeadRows(
+            m, self.head, len(prompts), pre.cache.capacity
+        )  # (kept if a chain retired it)
         before = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)  # features at p - 1
-        self.head_rows.add(ids, before, positions, valid & (positions > 0))
+        self.head_rows.add(pre.ids, before, pre.positions, pre.valid & (pre.positions > 0))
         self.prev, self.pending = features[:, -1], None
         lengths = torch.tensor([len(p) for p in prompts], device=m.device)
-        return Prefill(cache, lengths, m.exit_logits(hidden[:, -1]))
+        return Prefill(pre.cache, lengths, m.exit_logits(pre.hidden[:, -1]))
 
     def last_row(self, r: Round) -> tuple[torch.Tensor, torch.Tensor]:
         """The row of ``r.last`` at slot ``r.start``, from the features of the token before it."""
